@@ -1,0 +1,167 @@
+"""The one place that touches torch.distributed internals.
+
+Public ``new_group(..., use_local_synchronization=True)`` names a member-only
+group by hashing its ranks (and, in torch 2.13, the number of groups alive in
+the process). A destroyed group's name is free again, so a re-created group
+reuses its store prefix and can read the old incarnation's stale gloo
+rendezvous keys ("Connect timeout"), and two live groups over the same ranks
+clash. Here each incarnation of a group gets its own name,
+
+    scopedmesh-<sha1 of backend and ranks>-<generation>
+
+where the generation is counted per rank in torch's distributed store: members
+create the same groups in the same order, so their counts agree without any
+collective. Building a group under a chosen name needs torch's private
+``_new_process_group_helper``. If that is missing or changed, we fall back to
+public ``new_group`` with a warning that names the hazard.
+
+>>> group_name((0, 1), "gloo", 3)
+'scopedmesh-b1b1a4b7ad3e0b41f2fa-3'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import warnings
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = [
+    "destroy",
+    "group_name",
+    "is_live",
+    "live_group_count",
+    "new_member_group",
+    "private_path_supported",
+]
+
+_HELPER_PARAMETERS = (
+    "group_size",
+    "group_rank",
+    "global_ranks_in_group",
+    "backend",
+    "store",
+    "group_name",
+    "backend_options",
+    "timeout",
+    "device_id",
+    "group_desc",
+)
+FALLBACK_WARNING = (
+    "scopedmesh does not recognise this torch's process-group internals; it falls back to "
+    "public new_group(use_local_synchronization=True). Re-creating a group over the same "
+    "ranks (a mesh opened twice, a sub-mesh re-created, two meshes over the same ranks) may "
+    "then fail with 'Gloo connectFullMesh failed ... Connect timeout' or 'The specified group "
+    "name has already been created'."
+)
+
+
+def private_path_supported() -> bool:
+    """Whether this torch has the internals that named group creation relies on."""
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    world = getattr(c10d, "_world", None)
+    if helper is None or world is None or not hasattr(c10d, "_get_default_store"):
+        return False
+    if not all(hasattr(world, attr) for attr in ("pg_map", "pg_names", "pg_group_ranks")):
+        return False
+    try:
+        parameters = inspect.signature(helper).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in parameters for name in _HELPER_PARAMETERS)
+
+
+def group_name(ranks: Sequence[int], backend: str, generation: int) -> str:
+    """The name of one incarnation of the group over ``ranks`` on ``backend``."""
+    text = f"{backend}|{','.join(map(str, ranks))}"
+    digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:20]
+    return f"scopedmesh-{digest}-{generation}"
+
+
+def _next_generation(ranks: Sequence[int], backend: str) -> int:
+    """This rank's count of incarnations of the group, kept in the distributed store."""
+    key = group_name(ranks, backend, 0)
+    store = c10d._get_default_store()
+    try:
+        return int(store.add(f"{key}/generation/{dist.get_rank()}", 1))
+    except RuntimeError:
+        if backend != dist.Backend.FAKE:
+            raise
+    # The fake backend's FakeStore cannot count; nothing rendezvous there, so the
+    # first name free in this process is safe.
+    taken = set(c10d._world.pg_names.values())
+    generation = 1
+    while group_name(ranks, backend, generation) in taken:
+        generation += 1
+    return generation
+
+
+def new_member_group(
+    ranks: Sequence[int],
+    *,
+    backend: str,
+    timeout: timedelta | None,
+    pg_options: object | None,
+    description: str,
+) -> dist.ProcessGroup | None:
+    """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
+
+    The caller must be a member; non-members get ``None`` whatever torch's version
+    returns for them (``None`` in 2.13, ``GroupMember.NON_GROUP_MEMBER`` in 2.14).
+    """
+    ranks = sorted(ranks)
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None
+    default_pg = c10d._get_default_group()
+    if not private_path_supported() or callable(getattr(default_pg, "new_group", None)):
+        warnings.warn(FALLBACK_WARNING, RuntimeWarning, stacklevel=3)
+        group = dist.new_group(
+            ranks,
+            timeout=timeout,
+            backend=backend,
+            pg_options=pg_options,
+            use_local_synchronization=True,
+            group_desc=description,
+        )
+        return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
+    backend_enum = dist.Backend(backend)
+    make_name: Any = getattr(c10d, "GroupName", str)
+    name = group_name(ranks, str(backend_enum), _next_generation(ranks, str(backend_enum)))
+    group, _ = c10d._new_process_group_helper(
+        len(ranks),
+        ranks.index(rank),
+        ranks,
+        backend_enum,
+        c10d._get_default_store(),
+        make_name(name),
+        backend_options=pg_options,
+        timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
+        device_id=default_pg.bound_device_id,
+        group_desc=description,
+    )
+    c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}
+    return group  # type: ignore[no-any-return]
+
+
+def is_live(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered with torch (not yet destroyed)."""
+    return dist.is_initialized() and group in c10d._world.pg_map
+
+
+def destroy(group: dist.ProcessGroup) -> bool:
+    """Destroy ``group`` if it is still live; never WORLD. Local: no communication."""
+    if not is_live(group) or group is c10d.GroupMember.WORLD:
+        return False
+    dist.destroy_process_group(group)
+    return True
+
+
+def live_group_count() -> int:
+    """The number of process groups torch holds in this process, WORLD included."""
+    return len(c10d._world.pg_map) if dist.is_initialized() else 0

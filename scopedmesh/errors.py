@@ -1,0 +1,30 @@
+"""The exception types of scopedmesh.
+
+Each subclasses a standard exception, so callers can catch what they know:
+
+>>> issubclass(MeshClosedError, RuntimeError)
+True
+"""
+
+from __future__ import annotations
+
+__all__ = ["AxisError", "GroupFormationError", "MeshClosedError"]
+
+
+class MeshClosedError(RuntimeError):
+    """A group method was called on a mesh (or sub-mesh) whose scope has closed."""
+
+
+class GroupFormationError(RuntimeError):
+    """A process group could not be formed: a member did not arrive in time.
+
+    The message names the mesh axis, the ranks and the likely cause (a member
+    that never asked for the group, or members asking in different orders).
+    """
+
+
+class AxisError(ValueError, IndexError):
+    """An axis that the mesh does not have: an unknown name or an index out of range.
+
+    Like numpy's ``AxisError`` it is both a ``ValueError`` and an ``IndexError``.
+    """

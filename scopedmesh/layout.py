@@ -1,0 +1,539 @@
+"""MeshLayout: the pure rank algebra of an N-D mesh (standard library only).
+
+A layout maps mesh coordinates to global ranks in C order (the last axis varies
+fastest). It is stored as a strided view -- shape, strides, offset -- over a rank
+table, so a sub-layout costs O(ndim) and one group's ranks cost O(group size).
+
+>>> layout = MeshLayout((2, 2, 2), names=("dp", "pp", "tp"))
+>>> layout.ravel((0, 1, 0))
+2
+>>> layout.unravel(5)
+(1, 0, 1)
+>>> layout.group((1, 0, 1), "tp")
+(4, 5)
+>>> layout.groups("dp")
+((0, 4), (1, 5), (2, 6), (3, 7))
+>>> layout[1, :, 0].ranks
+(4, 6)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal, TypeAlias, TypeGuard
+
+from scopedmesh.errors import AxisError
+
+__all__ = ["Axes", "Axis", "MeshLayout", "RavelMode"]
+
+Axis: TypeAlias = int | str
+Axes: TypeAlias = Axis | Sequence[Axis]
+RavelMode: TypeAlias = Literal["raise", "wrap", "clip"]
+Index: TypeAlias = int | slice
+_MODES = ("raise", "wrap", "clip")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_sequence(value: object, argument: str) -> tuple[int, ...]:
+    """``value`` as a tuple of plain ints, or a TypeError naming ``argument``."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{argument} must be a sequence of ints, got {value!r}")
+    items = tuple(value)
+    for item in items:
+        if not _is_int(item):
+            raise TypeError(f"{argument} must contain only ints, got {item!r} in {value!r}")
+    return tuple(int(item) for item in items)
+
+
+def _infer_shape(shape: object, count: int | None) -> tuple[int, ...]:
+    """Validate ``shape`` and fill in its one ``-1`` from ``count`` ranks."""
+    dims = _int_sequence(shape, "shape")
+    unknown = [i for i, n in enumerate(dims) if n == -1]
+    bad = [n for n in dims if n < 1 and n != -1]
+    if bad or len(unknown) > 1:
+        raise ValueError(f"shape must hold positive ints and at most one -1, got {dims}")
+    if not unknown:
+        return dims
+    if count is None:
+        raise ValueError(f"shape {dims} has a -1 but there are no ranks to infer it from")
+    known = math.prod(n for n in dims if n != -1)
+    if count % known:
+        raise ValueError(
+            f"cannot infer the -1 in shape {dims}: {count} ranks is not a multiple of {known}"
+        )
+    return tuple(count // known if n == -1 else n for n in dims)
+
+
+class MeshLayout:
+    """A frozen map from mesh coordinates to global ranks.
+
+    ``shape`` may hold one ``-1``, inferred from ``ranks``. ``ranks`` (default
+    ``range(prod(shape))``) lists the global ranks in C order of coordinates.
+
+    >>> MeshLayout((-1, 2), ranks=range(8, 16)).shape
+    (4, 2)
+    >>> MeshLayout((2, 2), ranks=[3, 1, 0, 2]).group((0, 0), 1)
+    (1, 3)
+    """
+
+    __slots__ = ("_hash", "_inverse", "_names", "_offset", "_shape", "_strides", "_table")
+
+    _shape: tuple[int, ...]
+    _names: tuple[str, ...] | None
+    _strides: tuple[int, ...]
+    _offset: int
+    _table: tuple[int, ...] | None
+    _inverse: dict[int, int] | None
+    _hash: int | None
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        names: Sequence[str] | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        table: tuple[int, ...] | None = None
+        if ranks is None:
+            count, offset, step = None, 0, 1
+        elif isinstance(ranks, range):
+            count, offset, step = len(ranks), ranks.start, ranks.step
+            if count and min(ranks[0], ranks[-1]) < 0:
+                raise ValueError(f"ranks must be non-negative, got {ranks!r}")
+        else:
+            table = _int_sequence(ranks, "ranks")
+            count, offset, step = len(table), 0, 1
+            if any(r < 0 for r in table):
+                raise ValueError(f"ranks must be non-negative, got {list(table)}")
+            if len(set(table)) != len(table):
+                raise ValueError(f"ranks must be distinct, got {list(table)}")
+            if table == tuple(range(len(table))):
+                table = None
+        dims = _infer_shape(shape, count)
+        if count is not None and math.prod(dims) != count:
+            raise ValueError(f"shape {dims} holds {math.prod(dims)} ranks but ranks has {count}")
+        strides = [step] * len(dims)
+        for i in range(len(dims) - 2, -1, -1):
+            strides[i] = strides[i + 1] * dims[i + 1]
+        self._init(dims, self._check_names(names, len(dims)), tuple(strides), offset, table)
+
+    def _init(
+        self,
+        shape: tuple[int, ...],
+        names: tuple[str, ...] | None,
+        strides: tuple[int, ...],
+        offset: int,
+        table: tuple[int, ...] | None,
+        inverse: dict[int, int] | None = None,
+    ) -> None:
+        set_ = object.__setattr__
+        set_(self, "_shape", shape)
+        set_(self, "_names", names)
+        # An axis of size 1 contributes nothing: a zero stride makes equal maps equal values.
+        set_(self, "_strides", tuple(0 if n == 1 else s for n, s in zip(shape, strides)))
+        set_(self, "_offset", offset)
+        set_(self, "_table", table)
+        set_(self, "_inverse", inverse)
+        set_(self, "_hash", None)
+
+    @staticmethod
+    def _check_names(names: object, ndim: int) -> tuple[str, ...] | None:
+        if names is None:
+            return None
+        if isinstance(names, str) or not isinstance(names, Sequence):
+            raise TypeError(f"names must be a sequence of strings, got {names!r}")
+        result = tuple(names)
+        if not all(isinstance(name, str) and name for name in result):
+            raise TypeError(f"names must be non-empty strings, got {result!r}")
+        if len(result) != ndim:
+            raise ValueError(f"names has {len(result)} entries but the shape has {ndim} axes")
+        if len(set(result)) != len(result):
+            raise ValueError(f"names must be distinct, got {result!r}")
+        return result
+
+    def _view(
+        self,
+        shape: tuple[int, ...],
+        names: tuple[str, ...] | None,
+        strides: tuple[int, ...],
+        offset: int,
+    ) -> MeshLayout:
+        view = object.__new__(MeshLayout)
+        view._init(shape, names, strides, offset, self._table, self._inverse)
+        return view
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"MeshLayout is immutable; cannot set {name!r}")
+
+    # ---------------------------------------------------------------- basics
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The size of each axis."""
+        return self._shape
+
+    @property
+    def names(self) -> tuple[str, ...] | None:
+        """The axis names, or ``None``."""
+        return self._names
+
+    @property
+    def ndim(self) -> int:
+        """The number of axes."""
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the layout."""
+        return math.prod(self._shape)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank, in C order of coordinates (costs O(size)).
+
+        >>> MeshLayout((2, 3))[:, 1:].ranks
+        (1, 2, 4, 5)
+        """
+        return tuple(self._rank_at(c) for c in itertools.product(*map(range, self._shape)))
+
+    def __repr__(self) -> str:
+        names = f", names={self._names!r}" if self._names is not None else ""
+        default = self == MeshLayout(self._shape, self._names)
+        ranks = "" if default or self.size > 16 else f", ranks={list(self.ranks)!r}"
+        return f"MeshLayout({self._shape!r}{names}{ranks})"
+
+    def _key(self) -> tuple[object, ...]:
+        return (self._shape, self._names, self._strides, self._offset, self._table)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MeshLayout):
+            return NotImplemented
+        return self is other or self._key() == other._key()
+
+    def __hash__(self) -> int:
+        value = self._hash
+        if value is None:
+            value = hash(self._key())
+            object.__setattr__(self, "_hash", value)
+        return value
+
+    def __contains__(self, rank: object) -> bool:
+        if not _is_int(rank):
+            return False
+        try:
+            self.unravel(rank)
+        except ValueError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ axes
+
+    def axis_index(self, axis: Axis, *, argument: str = "axis") -> int:
+        """The non-negative index of ``axis``, given as an index or a name.
+
+        >>> MeshLayout((2, 4), names=("dp", "tp")).axis_index("tp")
+        1
+        """
+        if isinstance(axis, str):
+            if self._names is None or axis not in self._names:
+                known = (
+                    f"this mesh's axes are {self._names}"
+                    if self._names
+                    else "this mesh has no axis names"
+                )
+                raise AxisError(f"unknown {argument} {axis!r}; {known}")
+            return self._names.index(axis)
+        if not _is_int(axis):
+            raise TypeError(f"{argument} must be an int or an axis name, got {axis!r}")
+        if not -self.ndim <= axis < self.ndim:
+            raise AxisError(f"{argument} {axis} is out of range for a mesh with {self.ndim} axes")
+        return axis % self.ndim
+
+    def axes_indices(self, axes: Axes, *, argument: str = "axes") -> tuple[int, ...]:
+        """Several axes as distinct indices, in the order given.
+
+        >>> MeshLayout((2, 2, 2), names=("dp", "pp", "tp")).axes_indices(("tp", 0))
+        (2, 0)
+        """
+        items = self._axis_items(axes, argument)
+        result = tuple(self.axis_index(a, argument=argument) for a in items)
+        if len(set(result)) != len(result):
+            raise ValueError(f"{argument} must be distinct, got {axes!r}")
+        return result
+
+    @staticmethod
+    def _axis_items(axes: Axes, argument: str) -> tuple[Axis, ...]:
+        if isinstance(axes, (str, int)) and not isinstance(axes, bool):
+            return (axes,)
+        if not isinstance(axes, Sequence) or not axes:
+            raise TypeError(
+                f"{argument} must be an axis or a non-empty sequence of axes, got {axes!r}"
+            )
+        return tuple(axes)
+
+    def axis_name(self, axis: Axis) -> str:
+        """The name of ``axis`` (its index as text when the layout has no names)."""
+        index = self.axis_index(axis)
+        return self._names[index] if self._names is not None else str(index)
+
+    # ----------------------------------------------------------------- ranks
+
+    def _rank_at(self, coord: Sequence[int]) -> int:
+        position = self._offset + sum(c * s for c, s in zip(coord, self._strides))
+        return position if self._table is None else self._table[position]
+
+    def _check_coord(self, coord: object, argument: str = "coord") -> tuple[int, ...]:
+        values = _int_sequence(coord, argument)
+        if len(values) != self.ndim:
+            raise ValueError(
+                f"{argument} must have {self.ndim} entries for shape {self._shape}, got {values}"
+            )
+        for c, n in zip(values, self._shape):
+            if not 0 <= c < n:
+                raise IndexError(f"{argument} {values} is out of bounds for shape {self._shape}")
+        return values
+
+    def ravel(self, coord: Sequence[int], mode: RavelMode = "raise") -> int:
+        """The global rank at ``coord``; ``mode`` treats out-of-range entries like numpy.
+
+        >>> layout = MeshLayout((2, 3))
+        >>> layout.ravel((1, 2)), layout.ravel((1, 4), mode="wrap"), layout.ravel((5, -1), mode="clip")
+        (5, 4, 3)
+        """
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        values = _int_sequence(coord, "coord")
+        if mode == "wrap":
+            values = tuple(c % n for c, n in zip(values, self._shape))
+        elif mode == "clip":
+            values = tuple(min(max(c, 0), n - 1) for c, n in zip(values, self._shape))
+        return self._rank_at(self._check_coord(values))
+
+    def unravel(self, rank: int) -> tuple[int, ...]:
+        """The coordinate of global ``rank``; a ValueError if the layout lacks it.
+
+        >>> MeshLayout((2, 2, 2)).unravel(6)
+        (1, 1, 0)
+        """
+        if not _is_int(rank):
+            raise TypeError(f"rank must be an int, got {rank!r}")
+        position = self._position_of(rank)
+        if position is not None:
+            coord = self._solve(position - self._offset)
+            if coord is not None:
+                return coord
+        raise ValueError(f"rank {rank} is not in {self!r}")
+
+    def _position_of(self, rank: int) -> int | None:
+        if self._table is None:
+            return rank
+        inverse = self._inverse
+        if inverse is None:
+            inverse = {r: i for i, r in enumerate(self._table)}
+            object.__setattr__(self, "_inverse", inverse)
+        return inverse.get(rank)
+
+    def _solve(self, distance: int) -> tuple[int, ...] | None:
+        """The coordinate whose strides add up to ``distance``, or None.
+
+        Views made by this class nest their axes (each stride exceeds the extent
+        of the smaller ones), so a greedy division by decreasing strides finds
+        the coordinate; the result is checked, never assumed.
+        """
+        coord = [0] * self.ndim
+        remaining = distance
+        for i, s in enumerate(self._strides):
+            if s < 0:  # walk a reversed axis from its far end
+                remaining -= (self._shape[i] - 1) * s
+        for i in sorted(range(self.ndim), key=lambda k: -abs(self._strides[k])):
+            s = self._strides[i]
+            if s == 0:
+                continue
+            step = min(max(remaining // abs(s), 0), self._shape[i] - 1)
+            remaining -= step * abs(s)
+            coord[i] = step if s > 0 else self._shape[i] - 1 - step
+        if remaining != 0:
+            return None
+        return tuple(coord)
+
+    # ---------------------------------------------------------------- groups
+
+    def _indices(
+        self, axes: Axes, indices: object
+    ) -> tuple[tuple[int, ...], tuple[Sequence[int], ...]]:
+        """Axes in mesh order, each with its positions (all of them by default)."""
+        chosen = self.axes_indices(axes)
+        if indices is None:
+            per_axis: list[Sequence[int]] = [range(self._shape[a]) for a in chosen]
+        else:
+            several = not (isinstance(axes, (str, int)) and not isinstance(axes, bool))
+            lists = indices if several else [indices]
+            if isinstance(lists, (str, bytes)) or not isinstance(lists, Sequence):
+                raise TypeError(f"indices must be a sequence, got {indices!r}")
+            if len(lists) != len(chosen):
+                raise ValueError(
+                    f"indices must hold one sequence of positions per axis ({len(chosen)}), got {indices!r}"
+                )
+            per_axis = []
+            for a, positions in zip(chosen, lists):
+                values = _int_sequence(positions, "indices")
+                n = self._shape[a]
+                if not values:
+                    raise ValueError(f"indices for axis {self.axis_name(a)!r} must not be empty")
+                for v in values:
+                    if not -n <= v < n:
+                        raise IndexError(
+                            f"index {v} is out of range for axis {self.axis_name(a)!r} of size {n}"
+                        )
+                normalised = tuple(v % n for v in values)
+                if len(set(normalised)) != len(normalised):
+                    raise ValueError(
+                        f"indices for axis {self.axis_name(a)!r} must be distinct, got {values}"
+                    )
+                per_axis.append(normalised)
+        order = sorted(range(len(chosen)), key=lambda k: chosen[k])
+        return tuple(chosen[k] for k in order), tuple(sorted(per_axis[k]) for k in order)
+
+    def group(self, coord: Sequence[int], axes: Axes, indices: object = None) -> tuple[int, ...]:
+        """The ranks that share ``coord`` on every axis but ``axes``, ascending.
+
+        ``indices`` keeps only those positions of the chosen axes (one sequence
+        per axis when ``axes`` is a tuple); negative positions count from the end.
+
+        >>> layout = MeshLayout((4, 2), names=("pp", "tp"))
+        >>> layout.group((2, 1), "pp"), layout.group((2, 1), "pp", indices=[0, -1])
+        ((1, 3, 5, 7), (1, 7))
+        >>> layout.group((0, 0), ("pp", "tp"), indices=[[0, 1], [1]])
+        (1, 3)
+        """
+        base = list(self._check_coord(coord))
+        chosen, per_axis = self._indices(axes, indices)
+        ranks = []
+        for values in itertools.product(*per_axis):
+            for a, v in zip(chosen, values):
+                base[a] = v
+            ranks.append(self._rank_at(base))
+        ranks.sort()
+        return tuple(ranks)
+
+    def groups(self, axes: Axes, indices: object = None) -> tuple[tuple[int, ...], ...]:
+        """Every group along ``axes``, in C order of the other axes.
+
+        >>> MeshLayout((2, 2, 2)).groups((0, 2))
+        ((0, 1, 4, 5), (2, 3, 6, 7))
+        """
+        chosen, _ = self._indices(axes, indices)
+        others = [range(n) if a not in chosen else range(1) for a, n in enumerate(self._shape)]
+        return tuple(self.group(coord, axes, indices) for coord in itertools.product(*others))
+
+    def coords_along(
+        self, coord: Sequence[int], axes: Axes, indices: object = None
+    ) -> list[tuple[int, ...]]:
+        """The coordinates of ``group(coord, axes, indices)``, in C order of ``axes``.
+
+        >>> MeshLayout((2, 3)).coords_along((1, 0), 1, indices=[0, -1])
+        [(1, 0), (1, 2)]
+        """
+        base = list(self._check_coord(coord))
+        chosen, per_axis = self._indices(axes, indices)
+        result = []
+        for values in itertools.product(*per_axis):
+            for a, v in zip(chosen, values):
+                base[a] = v
+            result.append(tuple(base))
+        return result
+
+    # ----------------------------------------------------------- sub-layouts
+
+    def sub(self, coord: Sequence[int], axes: Axes) -> MeshLayout:
+        """The sub-layout over ``axes`` (in the order given) through ``coord``.
+
+        >>> MeshLayout((2, 2, 2), names=("dp", "pp", "tp")).sub((1, 0, 0), ("pp", "tp")).ranks
+        (4, 5, 6, 7)
+        """
+        base = self._check_coord(coord)
+        chosen = self.axes_indices(axes)
+        fixed = {a: base[a] for a in range(self.ndim) if a not in chosen}
+        offset = self._offset + sum(self._strides[a] * c for a, c in fixed.items())
+        names = None if self._names is None else tuple(self._names[a] for a in chosen)
+        return self._view(
+            tuple(self._shape[a] for a in chosen),
+            names,
+            tuple(self._strides[a] for a in chosen),
+            offset,
+        )
+
+    def __getitem__(self, key: object) -> MeshLayout:
+        """Numpy-like indexing: an int drops its axis, a slice keeps it.
+
+        A mapping indexes axes by name: ``layout[{"tp": 0}]``.
+
+        >>> layout = MeshLayout((2, 2, 2), names=("dp", "pp", "tp"))
+        >>> layout[0].shape, layout[:, 1:].shape, layout[{"tp": 1}].ranks
+        ((2, 2), (2, 1, 2), (1, 3, 5, 7))
+        """
+        per_axis = self._expand_key(key)
+        shape, names, strides, offset = [], [], [], self._offset
+        for a, index in enumerate(per_axis):
+            n, s = self._shape[a], self._strides[a]
+            if isinstance(index, slice):
+                start, _, step = index.indices(n)
+                length = len(range(*index.indices(n)))
+                if length == 0:
+                    raise IndexError(
+                        f"slice {index} selects no position of axis {self.axis_name(a)!r}"
+                    )
+                offset += start * s
+                shape.append(length)
+                strides.append(s * step)
+                if self._names is not None:
+                    names.append(self._names[a])
+            else:
+                if not -n <= index < n:
+                    raise IndexError(
+                        f"index {index} is out of range for axis {self.axis_name(a)!r} of size {n}"
+                    )
+                offset += (index % n) * s
+        return self._view(
+            tuple(shape), tuple(names) if self._names is not None else None, tuple(strides), offset
+        )
+
+    def _expand_key(self, key: object) -> list[Index]:
+        if isinstance(key, Mapping):
+            per_axis: list[Index] = [slice(None)] * self.ndim
+            for axis, index in key.items():
+                per_axis[self.axis_index(axis, argument="key")] = self._check_index(index)
+            return per_axis
+        items = key if isinstance(key, tuple) else (key,)
+        if sum(item is Ellipsis for item in items) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
+            fill = (slice(None),) * (self.ndim - len(items) + 1)
+            items = items[:at] + fill + items[at + 1 :]
+        if len(items) > self.ndim:
+            raise IndexError(f"too many indices: {len(items)} for a layout with {self.ndim} axes")
+        checked = [self._check_index(item) for item in items]
+        return checked + [slice(None)] * (self.ndim - len(checked))
+
+    @staticmethod
+    def _check_index(index: object) -> Index:
+        if isinstance(index, slice):
+            for part in (index.start, index.stop, index.step):
+                if part is not None and not _is_int(part):
+                    raise TypeError(f"slice parts must be ints or None, got {index!r}")
+            if index.step == 0:
+                raise ValueError("slice step must not be zero")
+            return index
+        if _is_int(index):
+            return int(index)
+        raise TypeError(
+            f"layout indices must be ints, slices, '...' or a mapping of axis to index, got {index!r}"
+        )
+
+    def __iter__(self) -> Iterator[MeshLayout]:
+        raise TypeError("MeshLayout is not iterable; use .ranks or .groups(axes)")

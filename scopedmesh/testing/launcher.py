@@ -1,0 +1,340 @@
+"""Run a function on a small local ``torch.distributed`` world, one process per rank.
+
+:func:`run_world` spawns ``world_size`` processes over loopback, initialises a
+process group in each, calls ``fn(rank, world_size, *args)`` and returns the
+results indexed by rank. A rank that raises, dies or hangs becomes a
+:class:`WorldError` in the parent; no child process outlives the call.
+
+>>> issubclass(WorldError, RuntimeError)
+True
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Collection, Mapping
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar, cast
+
+import torch.distributed as dist
+
+__all__ = ["WorldError", "free_port", "run_world"]
+
+T = TypeVar("T")
+
+# How long to wait for a child to go after SIGTERM before SIGKILL, and after SIGKILL.
+_TERM_WAIT = 2.0
+_KILL_WAIT = 5.0
+
+
+class WorldError(RuntimeError):
+    """One or more ranks of a :func:`run_world` world failed, died or timed out.
+
+    ``failures`` maps each failing rank to its traceback text (or to a note of
+    how its process ended); ``still_running`` lists the ranks that were still
+    running when the world was torn down.
+
+    >>> err = WorldError("rank 1 failed", {1: "ValueError: boom"})
+    >>> err.failures
+    {1: 'ValueError: boom'}
+    """
+
+    def __init__(
+        self,
+        message: str,
+        failures: Mapping[int, str] | None = None,
+        still_running: Collection[int] = (),
+    ) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+        self.still_running: list[int] = sorted(still_running)
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago.
+
+    The port is found by binding port 0 and closing the socket, so another
+    process may take it before you use it; it is good enough for tests.
+
+    >>> 0 < free_port() < 65536
+    True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def _child_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    port: int,
+    backend: str,
+    init_timeout: float,
+    env: dict[str, str],
+    conn: Connection,
+) -> None:
+    """Body of one rank's process: init, run ``fn``, report, tear down."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    os.environ.update(env)
+    try:
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=init_timeout),
+            )
+            result = fn(rank, world_size, *args)
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            return
+        try:
+            # Connection.send pickles fully before writing, so a result that
+            # cannot be pickled leaves the pipe clean for the error report.
+            conn.send(("ok", result))
+        except Exception:
+            conn.send(("error", "the result could not be sent:\n" + traceback.format_exc()))
+    finally:
+        conn.close()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "its process vanished"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"its process was killed by {name} (exit code {exitcode})"
+    return f"its process exited with code {exitcode}"
+
+
+def _check_positive(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+    return float(value)
+
+
+def _validate(
+    fn: object,
+    world_size: object,
+    args: object,
+    backend: object,
+    env: object,
+    allow_exit: object,
+) -> tuple[dict[str, str], frozenset[int]]:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(f"backend must be a non-empty str, got {backend!r}")
+    env_dict: dict[str, str] = {}
+    if env is not None:
+        if not isinstance(env, Mapping):
+            raise TypeError(f"env must be a mapping of str to str, got {type(env).__name__}")
+        for key, value in env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"env must map str to str, got {key!r}: {value!r}")
+            env_dict[key] = value
+    if isinstance(allow_exit, (str, bytes)) or not isinstance(allow_exit, Collection):
+        raise TypeError(f"allow_exit must be a collection of ranks, got {allow_exit!r}")
+    allowed: set[int] = set()
+    for r in allow_exit:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"allow_exit must hold int ranks, got {r!r}")
+        if not 0 <= r < world_size:
+            raise ValueError(f"allow_exit rank {r} is outside 0..{world_size - 1}")
+        allowed.add(r)
+    for name, value in (("fn", fn), ("args", args)):
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"{name} must be picklable (fn a top-level function, args plain data): {exc}"
+            ) from exc
+    return env_dict, frozenset(allowed)
+
+
+def _stop(procs: list[BaseProcess]) -> None:
+    """Terminate, then kill, then reap every process in ``procs``."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + _TERM_WAIT
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(_KILL_WAIT)
+
+
+def run_world(
+    fn: Callable[..., T],
+    world_size: int,
+    *,
+    args: tuple[Any, ...] = (),
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    init_timeout: float = 60.0,
+    grace: float = 5.0,
+    allow_exit: Collection[int] = (),
+) -> list[T]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return results by rank.
+
+    Each rank is a fresh ("spawn") process with ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and then ``env`` set, and a default
+    process group of ``backend`` initialised over 127.0.0.1. ``fn`` must be a
+    top-level (picklable) function, and its result picklable.
+
+    If a rank raises, or its process ends without reporting, :class:`WorldError`
+    names it (with the traceback text). The other ranks get ``grace`` seconds to
+    finish, then are terminated. Ranks in ``allow_exit`` may end without
+    reporting: their entry is ``None`` and the others are awaited. If the whole
+    world takes longer than ``timeout`` seconds (spawning included), every rank is
+    killed and :class:`WorldError` says which were still running.
+
+    >>> run_world(my_top_level_fn, 2)  # doctest: +SKIP
+    [result_of_rank_0, result_of_rank_1]
+    """
+    env_dict, allowed = _validate(fn, world_size, args, backend, env, allow_exit)
+    timeout = _check_positive("timeout", timeout)
+    init_timeout = _check_positive("init_timeout", init_timeout)
+    grace = _check_positive("grace", grace, allow_zero=True)
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs: list[BaseProcess] = []
+    readers: dict[int, Connection] = {}
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    try:
+        start = time.monotonic()
+        deadline = start + timeout
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main,
+                args=(fn, rank, world_size, args, port, backend, init_timeout, env_dict, writer),
+                name=f"run_world-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            writer.close()  # the parent keeps only the read end, so a dead child reads as EOF
+            procs.append(proc)
+            readers[rank] = reader
+
+        pending = set(range(world_size))  # ranks that have neither reported nor ended
+        grace_end: float | None = None
+        while pending:
+            now = time.monotonic()
+            stop_at = deadline if grace_end is None else min(deadline, grace_end)
+            if now >= stop_at:
+                break
+            watched: list[Any] = [readers[r] for r in pending if not readers[r].closed]
+            watched += [procs[r].sentinel for r in pending]
+            wait(watched, timeout=stop_at - now)
+            for rank in sorted(pending):
+                ended = _poll_rank(rank, procs[rank], readers, results, failures, allowed)
+                if ended:
+                    pending.discard(rank)
+                    if rank in failures and grace_end is None:
+                        grace_end = time.monotonic() + grace
+
+        if failures:
+            raise WorldError(_failure_message(world_size, failures, pending), failures, pending)
+        if pending:
+            raise WorldError(
+                f"world of {world_size} ranks timed out after {timeout:g} s; "
+                f"ranks still running: {sorted(pending)}",
+                failures,
+                pending,
+            )
+        # Everyone reported: let them tear down their process groups and exit.
+        exit_by = min(deadline, time.monotonic() + grace)
+        for p in procs:
+            p.join(max(0.0, exit_by - time.monotonic()))
+        return [cast(T, results.get(rank)) for rank in range(world_size)]
+    finally:
+        _stop(procs)
+        for reader in readers.values():
+            reader.close()
+        for p in procs:
+            if not p.is_alive():
+                p.close()
+
+
+def _poll_rank(
+    rank: int,
+    proc: BaseProcess,
+    readers: dict[int, Connection],
+    results: dict[int, Any],
+    failures: dict[int, str],
+    allowed: frozenset[int],
+) -> bool:
+    """Collect what ``rank`` has to say; return True once it has reported or ended."""
+    reader = readers.get(rank)
+    if reader is not None and not reader.closed:
+        try:
+            if reader.poll():
+                kind, payload = reader.recv()
+                if kind == "ok":
+                    results[rank] = payload
+                else:
+                    failures[rank] = str(payload)
+                return True
+        except (EOFError, OSError):
+            reader.close()  # the child closed the pipe without reporting; its exit tells why
+    if proc.is_alive():
+        return False
+    proc.join(_KILL_WAIT)
+    if rank in allowed:
+        results[rank] = None
+    else:
+        failures[rank] = (
+            f"rank {rank} ended without reporting a result: {_describe_exit(proc.exitcode)}"
+        )
+    return True
+
+
+def _failure_message(world_size: int, failures: Mapping[int, str], running: Collection[int]) -> str:
+    ranks = sorted(failures)
+    head = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    lines = [f"{head} of a world of {world_size} failed"]
+    if running:
+        lines[0] += f"; ranks {sorted(running)} were still running and were terminated"
+    for rank in ranks:
+        lines.append(f"--- rank {rank} ---")
+        lines.append(failures[rank].rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""Tests for scopedmesh.testing.launcher: each spawned world costs seconds, so checks are combined."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import _workers_launcher as workers
+import pytest
+
+from scopedmesh.testing import WorldError, free_port, run_world
+from scopedmesh.testing.launcher import _describe_exit
+
+
+def _pids(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(pid_dir.glob("rank*.pid"))]
+
+
+def _assert_gone(pids: list[int]) -> None:
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_results_in_rank_order_with_all_reduce_env_and_large_result(tmp_path: Path) -> None:
+    results = run_world(
+        workers.all_reduce_ranks,
+        2,
+        args=(str(tmp_path),),
+        env={"SCOPEDMESH_TEST_FLAG": "on"},
+        timeout=120.0,
+    )
+    assert [r["rank"] for r in results] == [0, 1]
+    for rank, r in enumerate(results):
+        assert r["world_size"] == 2
+        assert r["sum"] == 3.0
+        assert (r["env_rank"], r["env_world_size"], r["env_local_rank"]) == (str(rank), "2", str(rank))
+        assert r["dist_rank"] == rank
+        assert r["flag"] == "on"
+        assert r["big"] == bytes([rank]) * workers.BIG
+    _assert_gone(_pids(tmp_path))
+
+
+def test_exception_names_rank_and_text() -> None:
+    with pytest.raises(WorldError) as info:
+        run_world(workers.raise_or_unpicklable, 2, timeout=120.0)
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert set(err.failures) == {0, 1}
+    assert "ValueError: boom from rank 1" in err.failures[1]
+    assert "raise_or_unpicklable" in err.failures[1]  # the traceback, not just the message
+    assert "could not be sent" in err.failures[0]
+    assert "ranks [0, 1]" in str(err)
+    assert "--- rank 1 ---" in str(err)
+    assert "boom from rank 1" in str(err)
+    assert multiprocessing.active_children() == []
+
+
+def test_dead_rank_is_reported_promptly_and_nothing_is_left(tmp_path: Path) -> None:
+    timeout = 90.0
+    start = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_world(workers.exit_on_rank, 2, args=(1, 7, str(tmp_path)), timeout=timeout, grace=2.0)
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout
+    err = info.value
+    assert set(err.failures) == {1}
+    assert "exited with code 7" in err.failures[1]
+    assert str(err).startswith("rank 1 of a world of 2 failed")
+    assert err.still_running == [0]  # hung survivor: terminated after the grace period
+    assert len(_pids(tmp_path)) == 2
+    _assert_gone(_pids(tmp_path))
+
+
+def test_allow_exit_returns_none_for_the_dead_rank() -> None:
+    results = run_world(workers.kill_self_on_rank, 2, args=(1,), allow_exit={1}, timeout=120.0)
+    assert results == [0, None]
+    assert multiprocessing.active_children() == []
+
+
+def test_overall_timeout_kills_everyone() -> None:
+    timeout = 3.0
+    start = time.monotonic()
+    with pytest.raises(WorldError, match="timed out") as info:
+        run_world(workers.sleep_forever, 2, timeout=timeout)
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout + 30.0  # SIGTERM, then SIGKILL after a couple of seconds
+    assert "world of 2 ranks timed out after 3 s" in str(info.value)
+    assert info.value.still_running == [0, 1]
+    assert multiprocessing.active_children() == []
+
+
+def test_describe_exit() -> None:
+    assert _describe_exit(7) == "its process exited with code 7"
+    assert "SIGKILL" in _describe_exit(-int(signal.SIGKILL))
+
+
+def test_free_port() -> None:
+    assert 0 < free_port() < 65536
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "name"),
+    [
+        ({"world_size": 0}, ValueError, "world_size"),
+        ({"world_size": -1}, ValueError, "world_size"),
+        ({"world_size": 2.0}, TypeError, "world_size"),
+        ({"world_size": True}, TypeError, "world_size"),
+        ({"fn": 3}, TypeError, "fn"),
+        ({"fn": lambda rank, ws: rank}, TypeError, "fn"),
+        ({"args": [1]}, TypeError, "args"),
+        ({"timeout": 0}, ValueError, "timeout"),
+        ({"timeout": -1.0}, ValueError, "timeout"),
+        ({"timeout": float("inf")}, ValueError, "timeout"),
+        ({"timeout": "10"}, TypeError, "timeout"),
+        ({"init_timeout": 0}, ValueError, "init_timeout"),
+        ({"grace": -1}, ValueError, "grace"),
+        ({"env": {"A": 1}}, TypeError, "env"),
+        ({"env": ["A"]}, TypeError, "env"),
+        ({"allow_exit": {2}}, ValueError, "allow_exit"),
+        ({"allow_exit": 1}, TypeError, "allow_exit"),
+        ({"backend": ""}, TypeError, "backend"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], name: str) -> None:
+    call: dict[str, object] = {"fn": workers.sleep_forever, "world_size": 2, **kwargs}
+    with pytest.raises(exc, match=name):
+        run_world(**call)  # type: ignore[arg-type]
+    assert multiprocessing.active_children() == []
