@@ -35,14 +35,11 @@ GroupKey = tuple[tuple[int, ...], str]
 class _Entry:
     """One group made by a scope; ``alive`` turns False when its scope destroys it."""
 
-    __slots__ = ("alive", "group", "key", "options", "owner")
+    __slots__ = ("alive", "group", "key", "options")
 
-    def __init__(
-        self, key: GroupKey, group: dist.ProcessGroup | None, owner: object, options: object
-    ) -> None:
+    def __init__(self, key: GroupKey, group: dist.ProcessGroup | None, options: object) -> None:
         self.key = key
         self.group = group
-        self.owner = owner
         self.options = options
         self.alive = True
 
@@ -77,6 +74,10 @@ class ProcessGroupMesh:
                 "ProcessGroupMesh needs torch.distributed: call "
                 "torch.distributed.init_process_group() first"
             )
+        if not shape:
+            raise TypeError("ProcessGroupMesh needs a shape, e.g. ProcessGroupMesh(2, 4)")
+        if not isinstance(eager, bool):
+            raise TypeError(f"eager must be a bool, got {eager!r}")
         dims = shape[0] if len(shape) == 1 and isinstance(shape[0], Sequence) else shape
         world_size = dist.get_world_size()
         layout = MeshLayout(dims, names, range(world_size) if ranks is None else ranks)  # type: ignore[arg-type]
@@ -91,8 +92,6 @@ class ProcessGroupMesh:
             timeout=_check_timeout(timeout),
             pg_options=pg_options,
         )
-        if not isinstance(eager, bool):
-            raise TypeError(f"eager must be a bool, got {eager!r}")
         if eager:
             self.create_groups()
 
@@ -164,7 +163,7 @@ class ProcessGroupMesh:
             return
         self._closed = True
         try:
-            for child in reversed(self._children):
+            for child in reversed(list(self._children)):
                 child.close()
             for entry in reversed(self._created):
                 entry.alive = False
@@ -367,7 +366,7 @@ class ProcessGroupMesh:
         backend_name = self._backend_name(_check_backend(backend, "backend"))
         options = self._pg_options if pg_options is None else pg_options
         if self._rank not in ranks:
-            entry = _Entry((ranks, backend_name), None, self, options)
+            entry = _Entry((ranks, backend_name), None, options)
         else:
             entry = self._registry.get((ranks, backend_name)) or self._make(
                 ranks, backend_name, options, self._describe(axis, indices)
@@ -401,7 +400,7 @@ class ProcessGroupMesh:
                 "members requested overlapping groups in different orders (every member must "
                 f"request the same groups in the same order). torch said: {error}"
             ) from error
-        entry = _Entry((ranks, backend), group, self, options)
+        entry = _Entry((ranks, backend), group, options)
         self._registry[entry.key] = entry
         self._created.append(entry)
         return entry
@@ -457,7 +456,13 @@ def _check_backend(backend: object, argument: str) -> str | None:
         raise TypeError(
             f"{argument} must be a backend name such as 'gloo' or 'nccl', got {backend!r}"
         )
-    return backend
+    try:
+        return str(dist.Backend(backend))
+    except ValueError:
+        raise ValueError(
+            f"{argument} {backend!r} is not a torch.distributed backend; "
+            "use e.g. 'gloo', 'nccl' or 'fake'"
+        ) from None
 
 
 def _check_timeout(timeout: object) -> timedelta | None:

@@ -38,7 +38,8 @@ def test_results_in_rank_order_with_all_reduce_env_and_large_result(tmp_path: Pa
     for rank, r in enumerate(results):
         assert r["world_size"] == 2
         assert r["sum"] == 3.0
-        assert (r["env_rank"], r["env_world_size"], r["env_local_rank"]) == (str(rank), "2", str(rank))
+        env = (r["env_rank"], r["env_world_size"], r["env_local_rank"])
+        assert env == (str(rank), "2", str(rank))
         assert r["dist_rank"] == rank
         assert r["flag"] == "on"
         assert r["big"] == bytes([rank]) * workers.BIG

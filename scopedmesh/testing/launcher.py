@@ -227,6 +227,10 @@ def run_world(
 
     >>> run_world(my_top_level_fn, 2)  # doctest: +SKIP
     [result_of_rank_0, result_of_rank_1]
+    >>> run_world(print, 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: world_size must be >= 1, got 0
     """
     env_dict, allowed = _validate(fn, world_size, args, backend, env, allow_exit)
     timeout = _check_positive("timeout", timeout)
