@@ -16,22 +16,25 @@ collective. Building a group under a chosen name needs torch's private
 public ``new_group`` with a warning that names the hazard.
 
 >>> group_name((0, 1), "gloo", 3)
-'scopedmesh-b1b1a4b7ad3e0b41f2fa-3'
+'scopedmesh-40e50a5e73f9591580d9-3'
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from scopedmesh.layout import as_range
+
 __all__ = [
+    "RankMap",
+    "canonical_ranks",
     "destroy",
     "group_name",
     "is_live",
@@ -69,16 +72,70 @@ def private_path_supported() -> bool:
         return False
     if not all(hasattr(world, attr) for attr in ("pg_map", "pg_names", "pg_group_ranks")):
         return False
-    try:
-        parameters = inspect.signature(helper).parameters
-    except (TypeError, ValueError):
+    code = getattr(helper, "__code__", None)
+    if code is None:
         return False
+    parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     return all(name in parameters for name in _HELPER_PARAMETERS)
+
+
+class RankMap(Mapping[int, int]):
+    """Global rank -> group rank for evenly spaced ranks, in O(1) memory.
+
+    torch keeps this map per group (``_world.pg_group_ranks``) and reads it with
+    ``in``, ``[]``, ``keys()``, ``items()`` and ``len()``; a dict would cost
+    O(group size) for every group.
+
+    >>> rank_map = RankMap(range(4, 20, 4))
+    >>> rank_map[12], 13 in rank_map, list(rank_map.items())
+    (2, False, [(4, 0), (8, 1), (12, 2), (16, 3)])
+    """
+
+    __slots__ = ("_ranks",)
+
+    def __init__(self, ranks: range) -> None:
+        self._ranks = ranks
+
+    def __getitem__(self, rank: int) -> int:
+        try:
+            return self._ranks.index(rank)
+        except ValueError:
+            raise KeyError(rank) from None
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._ranks
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __repr__(self) -> str:
+        return f"RankMap({self._ranks!r})"
+
+
+def canonical_ranks(ranks: Sequence[int]) -> range | tuple[int, ...]:
+    """``ranks`` ascending: a ``range`` when evenly spaced, else a tuple.
+
+    >>> canonical_ranks([6, 2, 4]), canonical_ranks((0, 1, 3))
+    (range(2, 8, 2), (0, 1, 3))
+    """
+    if isinstance(ranks, range) and ranks.step > 0:
+        return ranks
+    ordered = sorted(ranks)
+    return as_range(ordered) or tuple(ordered)
 
 
 def group_name(ranks: Sequence[int], backend: str, generation: int) -> str:
     """The name of one incarnation of the group over ``ranks`` on ``backend``."""
-    text = f"{backend}|{','.join(map(str, ranks))}"
+    spaced = canonical_ranks(ranks)
+    if isinstance(spaced, range):
+        step = spaced.step if len(spaced) > 1 else 1
+        members = f"{spaced.start}+{step}*{len(spaced)}"
+    else:
+        members = ",".join(map(str, spaced))
+    text = f"{backend}|{members}"
     digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:20]
     return f"scopedmesh-{digest}-{generation}"
 
@@ -114,7 +171,7 @@ def new_member_group(
     The caller must be a member; non-members get ``None`` whatever torch's version
     returns for them (``None`` in 2.13, ``GroupMember.NON_GROUP_MEMBER`` in 2.14).
     """
-    ranks = sorted(ranks)
+    ranks = canonical_ranks(ranks)
     rank = dist.get_rank()
     if rank not in ranks:
         return None
@@ -122,7 +179,7 @@ def new_member_group(
     if not private_path_supported() or callable(getattr(default_pg, "new_group", None)):
         warnings.warn(FALLBACK_WARNING, RuntimeWarning, stacklevel=3)
         group = dist.new_group(
-            ranks,
+            list(ranks),
             timeout=timeout,
             backend=backend,
             pg_options=pg_options,
@@ -145,7 +202,8 @@ def new_member_group(
         device_id=default_pg.bound_device_id,
         group_desc=description,
     )
-    c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}
+    rank_map = RankMap(ranks) if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}
+    c10d._world.pg_group_ranks[group] = rank_map  # type: ignore[assignment]  # read as a Mapping
     return group  # type: ignore[no-any-return]
 
 

@@ -26,7 +26,7 @@ from typing import Literal, TypeAlias, TypeGuard
 
 from scopedmesh.errors import AxisError
 
-__all__ = ["Axes", "Axis", "MeshLayout", "RavelMode"]
+__all__ = ["Axes", "Axis", "MeshLayout", "RavelMode", "as_range"]
 
 Axis: TypeAlias = int | str
 Axes: TypeAlias = Axis | Sequence[Axis]
@@ -396,7 +396,9 @@ class MeshLayout:
                     )
                 per_axis.append(normalised)
         order = sorted(range(len(chosen)), key=lambda k: chosen[k])
-        return tuple(chosen[k] for k in order), tuple(sorted(per_axis[k]) for k in order)
+        return tuple(chosen[k] for k in order), tuple(
+            per_axis[k] if isinstance(per_axis[k], range) else sorted(per_axis[k]) for k in order
+        )
 
     def group(self, coord: Sequence[int], axes: Axes, indices: object = None) -> tuple[int, ...]:
         """The ranks that share ``coord`` on every axis but ``axes``, ascending.
@@ -410,15 +412,67 @@ class MeshLayout:
         >>> layout.group((0, 0), ("pp", "tp"), indices=[[0, 1], [1]])
         (1, 3)
         """
-        base = list(self._check_coord(coord))
+        return tuple(self.compact_group(coord, axes, indices))
+
+    def compact_group(
+        self, coord: Sequence[int], axes: Axes, indices: object = None
+    ) -> range | tuple[int, ...]:
+        """The ranks of :meth:`group`, as a ``range`` whenever they are evenly spaced.
+
+        A group of the default rank table that is evenly spaced costs O(ndim),
+        whatever its size; other groups cost O(group size). Every evenly spaced
+        group comes back as a ``range``, so the result is a canonical key.
+
+        >>> layout = MeshLayout((4, 4, 4))
+        >>> layout.compact_group((1, 2, 3), 0), layout.compact_group((1, 2, 3), (1, 2))
+        (range(11, 75, 16), range(16, 32))
+        >>> layout.compact_group((0, 0, 0), (0, 2))
+        (0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51)
+        """
+        base = self._check_coord(coord)
         chosen, per_axis = self._indices(axes, indices)
+        if self._table is None:
+            span = self._span(base, chosen, per_axis)
+            if span is not None:
+                return span
+        point = list(base)
         ranks = []
         for values in itertools.product(*per_axis):
             for a, v in zip(chosen, values):
-                base[a] = v
-            ranks.append(self._rank_at(base))
+                point[a] = v
+            ranks.append(self._rank_at(point))
         ranks.sort()
-        return tuple(ranks)
+        return as_range(ranks) or tuple(ranks)
+
+    def _span(
+        self, base: tuple[int, ...], chosen: tuple[int, ...], per_axis: tuple[Sequence[int], ...]
+    ) -> range | None:
+        """The group as one arithmetic progression of ranks, or None if it is not one."""
+        start = self._offset + sum(
+            c * s for a, (c, s) in enumerate(zip(base, self._strides)) if a not in chosen
+        )
+        runs = []  # (count, step) of each chosen axis, as positive steps
+        for a, positions in zip(chosen, per_axis):
+            spaced = as_range(positions)
+            if spaced is None:
+                return None
+            step = self._strides[a] * spaced.step
+            start += spaced.start * self._strides[a]
+            if step < 0:
+                start += (len(spaced) - 1) * step
+                step = -step
+            if len(spaced) > 1:
+                runs.append((len(spaced), step))
+        runs.sort(key=lambda run: run[1])
+        count, step = 1, 1
+        for i, (n, s) in enumerate(runs):
+            if i == 0:
+                count, step = n, s
+            elif s == count * step:
+                count *= n
+            else:
+                return None
+        return range(start, start + count * step, step)
 
     def groups(self, axes: Axes, indices: object = None) -> tuple[tuple[int, ...], ...]:
         """Every group along ``axes``, in C order of the other axes.
@@ -537,3 +591,25 @@ class MeshLayout:
 
     def __iter__(self) -> Iterator[MeshLayout]:
         raise TypeError("MeshLayout is not iterable; use .ranks or .groups(axes)")
+
+
+def as_range(values: Sequence[int]) -> range | None:
+    """``values`` as an equal ``range`` if they ascend evenly, else None.
+
+    >>> as_range([3, 5, 7]), as_range([4]), as_range([1, 2, 4])
+    (range(3, 9, 2), range(4, 5), None)
+    """
+    if isinstance(values, range) and values.step > 0:
+        return values
+    if not values:
+        return None
+    first = values[0]
+    if len(values) == 1:
+        return range(first, first + 1)
+    step = values[1] - first
+    if step <= 0:
+        return None
+    for i, value in enumerate(values):
+        if value != first + i * step:
+            return None
+    return range(first, first + len(values) * step, step)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ProcessGroupMesh"]
 
-GroupKey = tuple[tuple[int, ...], str]
+GroupKey = tuple[range | tuple[int, ...], str]
 
 
 class _Entry:
@@ -362,7 +362,7 @@ class ProcessGroupMesh:
         pg_options: Any,
     ) -> dist.ProcessGroup | None:
         self._check_open()
-        ranks = self._layout.group(self._coord, axis, indices)
+        ranks = self._layout.compact_group(self._coord, axis, indices)
         backend_name = self._backend_name(_check_backend(backend, "backend"))
         options = self._pg_options if pg_options is None else pg_options
         if self._rank not in ranks:
@@ -383,7 +383,9 @@ class ProcessGroupMesh:
                 pass
         return entry.group
 
-    def _make(self, ranks: tuple[int, ...], backend: str, options: Any, what: str) -> _Entry:
+    def _make(
+        self, ranks: range | tuple[int, ...], backend: str, options: Any, what: str
+    ) -> _Entry:
         try:
             group = _c10d.new_member_group(
                 ranks,

@@ -6,7 +6,7 @@ valid input for :class:`~scopedmesh.layout.MeshLayout`, so a test can state a la
 and let hypothesis look for the layout that breaks it:
 
 >>> from hypothesis import given, settings
->>> @settings(max_examples=10, database=None)
+>>> @settings(max_examples=10, deadline=None, database=None)
 ... @given(layouts(max_axes=3, max_world=32))
 ... def check_origin(layout):
 ...     assert layout.unravel(layout.ravel((0,) * layout.ndim)) == (0,) * layout.ndim
