@@ -2,4 +2,5 @@
 
 from scopedmesh.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when pytest --doctest-modules imports this file
+    raise SystemExit(main())

@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "plan",
         help="show a mesh's ranks, groups and node placement",
         description=(
-            "Show a mesh's ranks, groups and node placement, without a process group. "
+            "Show a mesh's ranks, groups and node placement, without a process group.\n"
             "Ranks are laid out in C order: the last axis varies fastest."
         ),
         epilog=(

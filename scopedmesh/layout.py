@@ -62,6 +62,8 @@ def _infer_shape(shape: object, count: int | None) -> tuple[int, ...]:
     if count is None:
         raise ValueError(f"shape {dims} has a -1 but there are no ranks to infer it from")
     known = math.prod(n for n in dims if n != -1)
+    if count == 0:
+        raise ValueError(f"cannot infer the -1 in shape {dims} from an empty ranks")
     if count % known:
         raise ValueError(
             f"cannot infer the -1 in shape {dims}: {count} ranks is not a multiple of {known}"
@@ -169,6 +171,14 @@ class MeshLayout:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"MeshLayout is immutable; cannot set {name!r}")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"MeshLayout is immutable; cannot delete {name!r}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # The default protocol restores slots through __setattr__ (which refuses),
+        # and would carry a cached hash of strings into a process with another seed.
+        return (_restore, (self._shape, self._names, self._strides, self._offset, self._table))
+
     # ---------------------------------------------------------------- basics
 
     @property
@@ -202,22 +212,38 @@ class MeshLayout:
 
     def __repr__(self) -> str:
         names = f", names={self._names!r}" if self._names is not None else ""
-        default = self == MeshLayout(self._shape, self._names)
-        ranks = "" if default or self.size > 16 else f", ranks={list(self.ranks)!r}"
+        default = self.size > 16 or self == MeshLayout(self._shape, self._names)
+        ranks = "" if default else f", ranks={list(self.ranks)!r}"
         return f"MeshLayout({self._shape!r}{names}{ranks})"
 
     def _key(self) -> tuple[object, ...]:
         return (self._shape, self._names, self._strides, self._offset, self._table)
 
     def __eq__(self, other: object) -> bool:
+        """Equal shape, names and map from coordinates to ranks, however each was built."""
         if not isinstance(other, MeshLayout):
             return NotImplemented
-        return self is other or self._key() == other._key()
+        if self is other or self._key() == other._key():
+            return True
+        if self._shape != other._shape or self._names != other._names:
+            return False
+        if self._table is None and other._table is None:
+            # offset + strides is the only spelling of a strided map (size-1 axes have stride 0).
+            return False
+        return self.ranks == other.ranks
 
     def __hash__(self) -> int:
         value = self._hash
         if value is None:
-            value = hash(self._key())
+            # O(ndim) and spelling-independent: the ranks at the origin and one step along each axis.
+            corner = [0] * self.ndim
+            probes = [self._rank_at(corner)]
+            for a, n in enumerate(self._shape):
+                if n > 1:
+                    corner[a] = 1
+                    probes.append(self._rank_at(corner))
+                    corner[a] = 0
+            value = hash((self._shape, self._names, tuple(probes)))
             object.__setattr__(self, "_hash", value)
         return value
 
@@ -260,7 +286,8 @@ class MeshLayout:
         (2, 0)
         """
         items = self._axis_items(axes, argument)
-        result = tuple(self.axis_index(a, argument=argument) for a in items)
+        each = "axis" if argument == "axes" else argument
+        result = tuple(self.axis_index(a, argument=each) for a in items)
         if len(set(result)) != len(result):
             raise ValueError(f"{argument} must be distinct, got {axes!r}")
         return result
@@ -307,6 +334,8 @@ class MeshLayout:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         values = _int_sequence(coord, "coord")
+        if len(values) != self.ndim:
+            self._check_coord(values)  # raises; zip() below would silently truncate
         if mode == "wrap":
             values = tuple(c % n for c, n in zip(values, self._shape))
         elif mode == "clip":
@@ -559,8 +588,15 @@ class MeshLayout:
     def _expand_key(self, key: object) -> list[Index]:
         if isinstance(key, Mapping):
             per_axis: list[Index] = [slice(None)] * self.ndim
+            seen: set[int] = set()
             for axis, index in key.items():
-                per_axis[self.axis_index(axis, argument="key")] = self._check_index(index)
+                a = self.axis_index(axis, argument="key")
+                if a in seen:
+                    raise ValueError(
+                        f"key names axis {self.axis_name(a)!r} more than once: {key!r}"
+                    )
+                seen.add(a)
+                per_axis[a] = self._check_index(index)
             return per_axis
         items = key if isinstance(key, tuple) else (key,)
         if sum(item is Ellipsis for item in items) > 1:
@@ -613,3 +649,16 @@ def as_range(values: Sequence[int]) -> range | None:
         if value != first + i * step:
             return None
     return range(first, first + len(values) * step, step)
+
+
+def _restore(
+    shape: tuple[int, ...],
+    names: tuple[str, ...] | None,
+    strides: tuple[int, ...],
+    offset: int,
+    table: tuple[int, ...] | None,
+) -> MeshLayout:
+    """Rebuild a pickled or copied layout (see ``MeshLayout.__reduce__``)."""
+    layout = object.__new__(MeshLayout)
+    layout._init(shape, names, strides, offset, table)
+    return layout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -38,11 +39,16 @@ def rank_at(shape: Sequence[int], coord: Sequence[int]) -> int:
 
 def brute_groups(shape: Sequence[int], axes: Sequence[int]) -> list[list[int]]:
     """Every group along ``axes``: ascending ranks, in C order of the other axes."""
+    return [list(g) for g in _brute_groups(tuple(shape), tuple(axes))]
+
+
+@functools.lru_cache(maxsize=64)
+def _brute_groups(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     groups: dict[tuple[int, ...], list[int]] = {}
     for coord in itertools.product(*map(range, shape)):
         key = tuple(c for a, c in enumerate(coord) if a not in axes)
         groups.setdefault(key, []).append(rank_at(shape, coord))
-    return [sorted(groups[key]) for key in sorted(groups)]
+    return tuple(tuple(sorted(groups[key])) for key in sorted(groups))
 
 
 def brute_nodes(groups: list[list[int]], nproc: int) -> tuple[str, int, list[int]]:
@@ -153,10 +159,10 @@ def test_node_placement_matches_brute_force(shape: list[int], nproc: int) -> Non
     assert doc["nodes"] == -(-world // nproc)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
-    shape=st.lists(st.integers(1, 13), min_size=2, max_size=4).filter(
-        lambda s: 64 < math.prod(s) <= 3000
+    shape=st.lists(st.integers(2, 12), min_size=2, max_size=4).filter(
+        lambda s: 64 < math.prod(s) <= 2000
     ),
     nproc=st.integers(1, 40),
     data=st.data(),
@@ -173,9 +179,10 @@ def test_summarised_worlds_list_true_groups(
 
 
 def check_rank(doc: Any, shape: Sequence[int], rank: int, nproc: int | None) -> None:
-    coord = next(c for c in itertools.product(*map(range, shape)) if rank_at(shape, c) == rank)
+    coord = [rank // s % n for n, s in zip(shape, strides_of(shape))]
     assert doc["rank"]["rank"] == rank
-    assert doc["rank"]["coordinate"] == list(coord)
+    assert rank_at(shape, coord) == rank
+    assert doc["rank"]["coordinate"] == coord
     assert doc["rank"]["node"] == (None if nproc is None else rank // nproc)
     assert len(doc["rank"]["groups"]) == len(doc["axes"])
     for entry, mine in zip(doc["axes"], doc["rank"]["groups"]):

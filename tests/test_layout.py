@@ -41,8 +41,8 @@ from scopedmesh.testing.strategies import (
 ROOT = Path(__file__).resolve().parents[1]
 
 # Sized for a slow 2-core machine: the whole module runs in well under a minute.
-LAWS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FEW = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LAWS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 Coord = tuple[int, ...]
 

@@ -1,0 +1,116 @@
+"""MeshLayout's groups agree with torch's DeviceMesh, rank by rank.
+
+Every 1-3 axis shape with at most 16 ranks, plus a few 4-axis shapes. For each
+shape, every rank of a ``fake`` world asks ``init_device_mesh`` for its group along
+each axis and along each pair of axes (by flattening the pair); the layout must
+name the same ranks in the same order. The rows of ``dm.mesh`` along each axis
+check the whole partition and its order. Torch runs in a few subprocesses
+(see ``_device_mesh_oracle.py``), run side by side; this process never imports it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scopedmesh.layout import MeshLayout
+
+HERE = Path(__file__).resolve().parent
+PROCESSES = 3
+TIMEOUT = 300.0
+
+
+def _shapes_up_to(world: int, ndim: int) -> list[tuple[int, ...]]:
+    return [
+        shape
+        for shape in itertools.product(range(1, world + 1), repeat=ndim)
+        if math.prod(shape) <= world
+    ]
+
+
+SHAPES: list[tuple[int, ...]] = [
+    *_shapes_up_to(16, 1),
+    *_shapes_up_to(16, 2),
+    *_shapes_up_to(16, 3),
+    (2, 2, 2, 2),
+    (1, 2, 3, 2),
+    (3, 1, 2, 2),
+    (2, 2, 1, 4),
+    (2, 3, 2, 2),
+]
+
+
+def _key(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+@pytest.fixture(scope="module")
+def device_mesh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every shape's DeviceMesh answers, gathered by a few concurrent subprocesses."""
+    out_dir = tmp_path_factory.mktemp("device_mesh")
+    # Deal shapes out by cost (one mesh per rank), largest first, to the cheapest chunk.
+    chunks: list[list[tuple[int, ...]]] = [[] for _ in range(PROCESSES)]
+    costs = [0] * PROCESSES
+    for shape in sorted(SHAPES, key=math.prod, reverse=True):
+        cheapest = costs.index(min(costs))
+        chunks[cheapest].append(shape)
+        costs[cheapest] += math.prod(shape)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for i, chunk in enumerate(chunks):
+        out = out_dir / f"chunk{i}.json"
+        args = [sys.executable, str(HERE / "_device_mesh_oracle.py"), json.dumps(chunk), str(out)]
+        procs.append((out, subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)))
+    records: dict[str, Any] = {}
+    for out, proc in procs:
+        try:
+            _, err = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for _, other in procs:
+                other.kill()
+                other.communicate()
+            raise
+        if proc.returncode == 77:
+            pytest.skip("this torch has no fake process-group backend")
+        assert proc.returncode == 0, f"oracle subprocess failed:\n{err}"
+        records.update(json.loads(out.read_text()))
+    return records
+
+
+def test_every_shape_was_probed_at_every_rank(device_mesh: dict[str, Any]) -> None:
+    assert sorted(device_mesh) == sorted(_key(s) for s in SHAPES)
+    assert len(SHAPES) == len(set(SHAPES)) > 200
+    for shape in SHAPES:
+        record = device_mesh[_key(shape)]
+        assert [entry["rank"] for entry in record["ranks"]] == list(range(math.prod(shape)))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_key)
+def test_groups_match_device_mesh(device_mesh: dict[str, Any], shape: tuple[int, ...]) -> None:
+    record = device_mesh[_key(shape)]
+    layout = MeshLayout(shape, names=tuple(f"ax{i}" for i in range(len(shape))))
+    assert record["mesh"] == list(layout.ranks)
+    pairs = list(itertools.combinations(range(len(shape)), 2))
+    # The whole partition along each axis and pair of axes, in torch's order.
+    for axis, rows in enumerate(record["rows"]):
+        assert [tuple(row) for row in rows] == list(layout.groups(axis)), f"axis {axis}"
+        assert layout.groups(f"ax{axis}") == layout.groups(axis)
+    for i, j in pairs:
+        rows = record["pair_rows"][f"{i},{j}"]
+        assert [tuple(row) for row in rows] == list(layout.groups((i, j))), f"axes {(i, j)}"
+    # Each rank's own groups, as its process groups list them.
+    for entry in record["ranks"]:
+        coord = layout.unravel(entry["rank"])
+        for axis, members in enumerate(entry["single"]):
+            assert tuple(members) == layout.group(coord, axis), (entry["rank"], axis)
+        for i, j in pairs:
+            members = entry["pairs"][f"{i},{j}"]
+            assert tuple(members) == layout.group(coord, (f"ax{j}", i)), (entry["rank"], (i, j))
