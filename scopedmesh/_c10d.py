@@ -158,6 +158,25 @@ def _next_generation(ranks: Sequence[int], backend: str) -> int:
     return generation
 
 
+def _catch_up(ranks: Sequence[int], backend: str, generation: int) -> None:
+    """After incarnation ``generation`` failed to form, move members one count behind up to it.
+
+    A member that never asked (the usual cause of the failure) would otherwise
+    count one fewer incarnation than this rank forever, so the group could never
+    form again. compare_set moves only a member still at ``generation - 1``; one
+    that asked meanwhile already counted it. Store requests only, no collective.
+    """
+    key = group_name(ranks, backend, 0)
+    try:
+        store = c10d._get_default_store()
+        for member in ranks:
+            counter = f"{key}/generation/{member}"
+            store.add(counter, 0)  # make the counter exist, so compare_set can see it
+            store.compare_set(counter, str(generation - 1), str(generation))
+    except RuntimeError:  # a store that cannot count (fake) or is gone: nothing to align
+        pass
+
+
 def new_member_group(
     ranks: Sequence[int],
     *,
@@ -189,22 +208,52 @@ def new_member_group(
         return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
     backend_enum = dist.Backend(backend)
     make_name: Any = getattr(c10d, "GroupName", str)
-    name = group_name(ranks, str(backend_enum), _next_generation(ranks, str(backend_enum)))
-    group, _ = c10d._new_process_group_helper(
-        len(ranks),
-        ranks.index(rank),
-        ranks,
-        backend_enum,
-        c10d._get_default_store(),
-        make_name(name),
-        backend_options=pg_options,
-        timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
-        device_id=default_pg.bound_device_id,
-        group_desc=description,
-    )
+    generation = _next_generation(ranks, str(backend_enum))
+    name = group_name(ranks, str(backend_enum), generation)
+    try:
+        group, _ = c10d._new_process_group_helper(
+            len(ranks),
+            ranks.index(rank),
+            ranks,
+            backend_enum,
+            c10d._get_default_store(),
+            make_name(name),
+            backend_options=pg_options,
+            timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
+            device_id=default_pg.bound_device_id,
+            group_desc=description,
+        )
+    except Exception:
+        _catch_up(ranks, str(backend_enum), generation)
+        raise
     rank_map = RankMap(ranks) if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}
     c10d._world.pg_group_ranks[group] = rank_map  # type: ignore[assignment]  # read as a Mapping
+    if backend_enum != dist.Backend.FAKE:  # fake members never rendezvous: nobody to wait for
+        try:
+            _all_formed(name, len(ranks), timeout or c10d._get_default_timeout(backend_enum))
+        except Exception:
+            dist.destroy_process_group(group)
+            raise
     return group  # type: ignore[no-any-return]
+
+
+def _all_formed(name: str, size: int, timeout: timedelta) -> None:
+    """Return once every member has finished forming incarnation ``name`` (store requests only).
+
+    gloo's connectFullMesh can return on one member before a slower member has
+    finished its side of the handshake; a group destroyed in that window (say, a
+    mesh closed without using it) breaks the slower member's formation with
+    'Connection closed by peer' or 'Connect timeout'. Counting arrivals in the
+    store ends formation together on every member, as torch does only under
+    TORCH_DIST_INIT_BARRIER=1. The keys are the incarnation's own, never reused.
+    """
+    if size == 1:
+        return
+    store = c10d._get_default_store()
+    if store.add(f"{name}/formed", 1) >= size:
+        store.set(f"{name}/all-formed", "1")
+    else:
+        store.wait([f"{name}/all-formed"], timeout)
 
 
 def is_live(group: dist.ProcessGroup) -> bool:
@@ -216,7 +265,12 @@ def destroy(group: dist.ProcessGroup) -> bool:
     """Destroy ``group`` if it is still live; never WORLD. Local: no communication."""
     if not is_live(group) or group is c10d.GroupMember.WORLD:
         return False
+    tag = c10d._world.pg_to_tag.get(group)
     dist.destroy_process_group(group)
+    # torch leaves an empty tags_to_pg entry behind; every incarnation has its own
+    # name (and tag), so those would pile up, one per group made.
+    if tag is not None and not c10d._world.tags_to_pg.get(tag, True):
+        del c10d._world.tags_to_pg[tag]
     return True
 
 

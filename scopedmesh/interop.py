@@ -1,21 +1,24 @@
 """Conversions between a ProcessGroupMesh and torch's DeviceMesh.
 
 DTensor, FSDP2 and tensor parallelism take a ``DeviceMesh``; hand them one built
-over the mesh's own groups, so the mesh stays their single owner.
+over the mesh's own groups, so the mesh stays their single owner::
+
+    with ProcessGroupMesh(2, 2, 2, names=("dp", "pp", "tp")) as mesh:
+        dm = mesh.to_device_mesh("cpu")       # axes dp, pp, tp; no new group
+        fully_shard(model, mesh=dm["dp"])     # FSDP2 over the mesh's dp group
+    # the groups under dm are destroyed here: dm is not to be used any more
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from scopedmesh.layout import Axis, MeshLayout
-
-if TYPE_CHECKING:
-    from scopedmesh.mesh import ProcessGroupMesh
+from scopedmesh.mesh import ProcessGroupMesh
 
 __all__ = ["layout_of", "to_device_mesh"]
 
@@ -23,24 +26,50 @@ __all__ = ["layout_of", "to_device_mesh"]
 def to_device_mesh(
     mesh: ProcessGroupMesh, device_type: str, axes: Sequence[Axis] | None = None
 ) -> DeviceMesh:
-    """A ``DeviceMesh`` over ``axes`` (default: all) of ``mesh``, through this rank.
+    """A ``DeviceMesh`` over ``axes`` (default: all, in mesh order) of ``mesh``, through this rank.
 
     Its groups are the mesh's own (missing ones are made now, so every member
     must call this in the same order). It is valid while ``mesh`` is open: when
     the mesh closes, its groups are destroyed and the DeviceMesh is unusable.
-    Costs O(size of the selected axes) for the rank tensor DeviceMesh requires.
+    Unnamed axes are called ``axis0``, ``axis1``, ... Costs O(size of the
+    selected axes) for the rank tensor DeviceMesh requires.
+
+    Torch orders a group's members by global rank while DTensor places shards
+    by mesh coordinate, so along each selected axis the ranks must ascend; a
+    mesh laid over a custom rank order that breaks this gets a ``ValueError``.
+
+    >>> import torch.distributed as dist
+    >>> from scopedmesh import ProcessGroupMesh
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> with ProcessGroupMesh(1, 1, names=("dp", "tp")) as mesh:
+    ...     dm = to_device_mesh(mesh, "cpu")
+    ...     dm.mesh_dim_names, dm.get_group("tp") is mesh.get_group_along_axis("tp")
+    (('dp', 'tp'), True)
+    >>> dist.destroy_process_group()
     """
+    if not isinstance(mesh, ProcessGroupMesh):
+        raise TypeError(f"mesh must be a ProcessGroupMesh, got {mesh!r}")
     if not isinstance(device_type, str) or not device_type:
         raise TypeError(f"device_type must be a device name such as 'cpu', got {device_type!r}")
     layout = mesh.layout
     chosen = tuple(range(layout.ndim)) if axes is None else layout.axes_indices(axes)
     sub = layout.sub(mesh.coordinate(), chosen)
-    names = tuple(layout.axis_name(a) if layout.names else f"axis{a}" for a in chosen)
-    groups = [mesh.get_group_along_axis(a) for a in chosen]
     ranks = torch.tensor(sub.ranks, dtype=torch.int).reshape(sub.shape)
-    if len(groups) == 1:
-        return DeviceMesh.from_group(groups[0], device_type, mesh_dim_names=names)  # type: ignore[arg-type]
-    return DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)  # type: ignore[arg-type]
+    names = tuple(layout.axis_name(a) if layout.names else f"axis{a}" for a in chosen)
+    for dim, name in enumerate(names):
+        if sub.shape[dim] > 1 and not bool((ranks.diff(dim=dim) > 0).all()):
+            raise ValueError(
+                f"axis {name!r} lists ranks out of ascending order ({ranks.tolist()}); torch "
+                "orders a group's members by global rank, so DTensor would misplace shards. "
+                "Lay the mesh over ranks that ascend along the axes you convert"
+            )
+    groups: list[ProcessGroup] = []
+    for a in chosen:
+        group = mesh.get_group_along_axis(a)
+        if group is None:  # cannot happen: without indices, every rank is in its group
+            raise RuntimeError(f"this rank has no group along axis {names[len(groups)]!r}")
+        groups.append(group)
+    return DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
 
 
 def layout_of(device_mesh: DeviceMesh) -> MeshLayout:
@@ -48,5 +77,9 @@ def layout_of(device_mesh: DeviceMesh) -> MeshLayout:
 
     Useful to compare a DeviceMesh with a mesh: ``layout_of(dm) == mesh.layout``.
     """
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch DeviceMesh, got {device_mesh!r}")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch DeviceMesh, got {device_mesh!r}")
     ranks = device_mesh.mesh.flatten().tolist()
     return MeshLayout(tuple(device_mesh.mesh.shape), device_mesh.mesh_dim_names, ranks)

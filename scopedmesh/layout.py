@@ -216,21 +216,21 @@ class MeshLayout:
         ranks = "" if default else f", ranks={list(self.ranks)!r}"
         return f"MeshLayout({self._shape!r}{names}{ranks})"
 
-    def _key(self) -> tuple[object, ...]:
-        return (self._shape, self._names, self._strides, self._offset, self._table)
-
     def __eq__(self, other: object) -> bool:
         """Equal shape, names and map from coordinates to ranks, however each was built."""
         if not isinstance(other, MeshLayout):
             return NotImplemented
-        if self is other or self._key() == other._key():
+        if self is other:
             return True
         if self._shape != other._shape or self._names != other._names:
             return False
+        view = (self._strides, self._offset)
         if self._table is None and other._table is None:
             # offset + strides is the only spelling of a strided map (size-1 axes have stride 0).
-            return False
-        return self.ranks == other.ranks
+            return view == (other._strides, other._offset)
+        if self._table is other._table and view == (other._strides, other._offset):
+            return True
+        return self.ranks == other.ranks  # O(size of this view), never O(table)
 
     def __hash__(self) -> int:
         value = self._hash

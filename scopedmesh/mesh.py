@@ -93,7 +93,11 @@ class ProcessGroupMesh:
             pg_options=pg_options,
         )
         if eager:
-            self.create_groups()
+            try:
+                self.create_groups()
+            except BaseException:
+                self.close()  # a mesh whose constructor failed leaves no group behind
+                raise
 
     def _init(
         self,
@@ -158,25 +162,36 @@ class ProcessGroupMesh:
 
         Open sub-meshes close first. Groups already destroyed (e.g. by a global
         ``dist.destroy_process_group()``) are skipped. No communication happens.
+        If destroying a group fails, the others are still destroyed and the first
+        error is raised at the end.
         """
         if self._closed:
             return
         self._closed = True
+        errors: list[Exception] = []
         try:
             for child in reversed(list(self._children)):
-                child.close()
+                try:
+                    child.close()
+                except Exception as error:
+                    errors.append(error)
             for entry in reversed(self._created):
                 entry.alive = False
                 if self._registry.get(entry.key) is entry:
                     del self._registry[entry.key]
                 if entry.group is not None:
-                    _c10d.destroy(entry.group)
+                    try:
+                        _c10d.destroy(entry.group)
+                    except Exception as error:  # keep going: the other groups must still go
+                        errors.append(error)
         finally:
             self._created.clear()
             self._by_axis.clear()
             self._children.clear()
             if self._parent is not None and self in self._parent._children:
                 self._parent._children.remove(self)
+        if errors:
+            raise errors[0]
 
     def destroy_mesh_process_groups(self) -> None:
         """Same as :meth:`close` (the name ColossalAI uses)."""
@@ -328,8 +343,9 @@ class ProcessGroupMesh:
                 entry = self._by_axis.get(axis)
             except TypeError:  # an unhashable axes list: take the long way
                 entry = None
-            if entry is not None and entry.alive and axis.__class__ is not bool:
-                return entry.group
+            if entry is not None and entry.alive and _plain_axes(axis):
+                if entry.group is None or _c10d.is_live(entry.group):
+                    return entry.group
         return self._get_group(axis, indices_at_axis, backend, pg_options)
 
     def create_group_along_axis(
@@ -371,6 +387,13 @@ class ProcessGroupMesh:
             entry = self._registry.get((ranks, backend_name)) or self._make(
                 ranks, backend_name, options, self._describe(axis, indices)
             )
+            if entry.group is not None and not _c10d.is_live(entry.group):
+                raise RuntimeError(
+                    f"the group along {self._describe(axis, indices)} over ranks {list(ranks)} "
+                    "was destroyed outside this mesh (by torch.distributed.destroy_process_group); "
+                    "the mesh does not make it again behind its peers' backs. Close this mesh "
+                    "and make a new one"
+                )
             if pg_options is not None and entry.options is not options:
                 raise ValueError(
                     f"pg_options differ from those of the existing group over ranks {list(ranks)} "
@@ -451,6 +474,17 @@ class ProcessGroupMesh:
         return to_device_mesh(self, device_type, axes)
 
 
+def _plain_axes(axis: object) -> bool:
+    """Whether ``axis`` is an int, a str or a tuple of them: safe as a cache key.
+
+    ``1.0 == 1`` and ``(0, True) == (0, 1)``: such keys must not reach the cache.
+    """
+    cls = axis.__class__
+    if cls is int or cls is str:
+        return True
+    return cls is tuple and all(a.__class__ is int or a.__class__ is str for a in axis)  # type: ignore[attr-defined]
+
+
 def _check_backend(backend: object, argument: str) -> str | None:
     if backend is None:
         return None
@@ -459,23 +493,46 @@ def _check_backend(backend: object, argument: str) -> str | None:
             f"{argument} must be a backend name such as 'gloo' or 'nccl', got {backend!r}"
         )
     try:
-        return str(dist.Backend(backend))
+        name = str(dist.Backend(backend))
     except ValueError:
         raise ValueError(
             f"{argument} {backend!r} is not a torch.distributed backend; "
             "use e.g. 'gloo', 'nccl' or 'fake'"
         ) from None
+    # dist.Backend() takes any name; an unknown or unbuilt one fails later, inside torch.
+    missing = [
+        p for p in (q.split(":")[-1] for q in name.split(",")) if not dist.is_backend_available(p)
+    ]
+    if missing:
+        raise ValueError(
+            f"{argument} {backend!r} is not available in this torch build ({missing[0]!r} is "
+            "unknown or not compiled in); use e.g. 'gloo', or 'nccl' on a CUDA build"
+        )
+    return name
+
+
+_MAX_TIMEOUT = timedelta(microseconds=2**63 - 1)  # about 292,000 years
 
 
 def _check_timeout(timeout: object) -> timedelta | None:
     if timeout is None or isinstance(timeout, timedelta):
         result = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        result = timedelta(seconds=timeout)
+        try:
+            result = timedelta(seconds=timeout)
+        except (OverflowError, ValueError):  # inf, nan, or more days than timedelta holds
+            raise ValueError(
+                f"timeout must be a finite number of seconds, got {timeout!r}"
+            ) from None
     else:
         raise TypeError(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
     if result is not None and result <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if result is not None and result > _MAX_TIMEOUT:
+        raise ValueError(
+            f"timeout must be at most {_MAX_TIMEOUT} (torch counts it in int64 microseconds), "
+            f"got {timeout!r}"
+        )
     return result
 
 

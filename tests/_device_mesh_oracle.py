@@ -40,7 +40,8 @@ def probe(shapes: list[list[int]]) -> dict[str, Any]:
         ranks: list[dict[str, Any]] = []
         record: dict[str, Any] = {"shape": shape, "ranks": ranks}
         for rank in range(world):
-            dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+            store = dist.HashStore()  # type: ignore[attr-defined]
+            dist.init_process_group("fake", store=store, rank=rank, world_size=world)
             try:
                 dm = init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
                 entry: dict[str, Any] = {

@@ -50,6 +50,12 @@ def _check_count(value: object, argument: str, minimum: int) -> int:
     return value
 
 
+def _check_layout(layout: object) -> MeshLayout:
+    if not isinstance(layout, MeshLayout):
+        raise TypeError(f"layout must be a MeshLayout, got {layout!r}")
+    return layout
+
+
 def _small_then_any(limit: int) -> SearchStrategy[int]:
     """Integers in [1, limit], favouring the small sizes where meshes get interesting."""
     return st.one_of(st.integers(1, min(4, limit)), st.integers(1, limit))
@@ -163,7 +169,7 @@ def coordinates(layout: MeshLayout) -> SearchStrategy[tuple[int, ...]]:
     >>> isinstance(coordinates(MeshLayout((2, 3))), SearchStrategy)
     True
     """
-    parts = [st.integers(0, n - 1) for n in layout.shape]
+    parts = [st.integers(0, n - 1) for n in _check_layout(layout).shape]
     return cast("SearchStrategy[tuple[int, ...]]", st.tuples(*parts))
 
 
@@ -190,7 +196,7 @@ def axes(
     >>> isinstance(axes(MeshLayout((2, 2, 2), names=("dp", "pp", "tp")), min_size=2), SearchStrategy)
     True
     """
-    top = layout.ndim if max_size is None else max_size
+    top = _check_layout(layout).ndim if max_size is None else max_size
     _check_count(min_size, "min_size", 0)
     _check_count(top, "max_size", min_size)
     if top > layout.ndim:
@@ -216,7 +222,7 @@ def indices_for(
     >>> isinstance(indices_for(MeshLayout((4, 2), names=("pp", "tp")), ("tp", 0)), SearchStrategy)
     True
     """
-    chosen = layout.axes_indices(axes)
+    chosen = _check_layout(layout).axes_indices(axes)
     if isinstance(axes, (str, int)):
         return _positions(layout.shape[chosen[0]])
     parts = [_positions(layout.shape[a]) for a in chosen]
@@ -262,4 +268,4 @@ def keys_for(layout: MeshLayout) -> SearchStrategy[object]:
     >>> isinstance(keys_for(MeshLayout((2, 4), names=("dp", "tp"))), SearchStrategy)
     True
     """
-    return _keys(layout)
+    return _keys(_check_layout(layout))

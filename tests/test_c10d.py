@@ -1,0 +1,263 @@
+"""scopedmesh._c10d and the torch hazards of DESIGN.md, reproduced and then absorbed.
+
+Each hazard is shown twice where torch lets us: once failing through public
+torch.distributed, once passing through the mesh. One gloo world of 4 ranks
+(tests/_workers_c10d.py: ``c10d_world``) runs every phase; the last phase kills
+rank 3. A few pins of the private path run in this process, without a world.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import _workers_c10d as workers
+import pytest
+from _workers_mesh import DIED, entries, facts, last_words
+from torch.distributed import distributed_c10d as c10d
+
+from scopedmesh import _c10d
+from scopedmesh.testing import run_world
+
+WORLD = 4
+PAIRS = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+# What gloo says when a group re-created under its old name meets the old incarnation's
+# rendezvous keys (which of these depends on timing).
+GLOO_STALE = re.compile(
+    r"Connect timeout|connectFullMesh|Connection reset by peer|Connection closed by peer"
+    r"|Timed out waiting \d+ms for recv"
+)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any] | None]:
+    save_dir = tmp_path_factory.mktemp("c10d_reports")
+    results = run_world(
+        workers.c10d_world,
+        WORLD,
+        args=(str(save_dir),),
+        timeout=400.0,
+        allow_exit={workers.DEAD_RANK},
+    )
+    assert results[workers.DEAD_RANK] is None  # it died (os._exit) in the last phase
+    return last_words(results, save_dir)  # its reports of the phases before
+
+
+def phase(world: list[dict[str, Any] | None], name: str) -> list[dict[str, Any]]:
+    return facts(world, name)
+
+
+# ------------------------------------------------- hazard 1: re-creating a group
+
+
+def test_public_new_group_recreation_fails_when_skewed(world: list[dict[str, Any] | None]) -> None:
+    recipes = [f["public_recipe"] for f in phase(world, "public_hazards_and_pins")[:2]]
+    for rank, recipe in enumerate(recipes):
+        assert recipe["sums"][:1] == [1], rank  # the first incarnation works, same timeout
+        assert recipe["failed"] is True, f"rank {rank}: public recipe survived: {recipe}"
+        assert recipe["cycle"] >= 1, recipe  # it is re-creation that fails
+        assert GLOO_STALE.search(recipe["error"]), recipe["error"]
+
+
+def test_mesh_open_close_recreation_survives_the_same_skew(
+    world: list[dict[str, Any] | None],
+) -> None:
+    results = phase(world, "mesh_recipes")
+    for rank, f in enumerate(results):
+        run = f["open_close"]
+        assert run["sums"] == [sum(PAIRS[rank])] * 10, rank
+        generations = run["generations"]
+        assert generations == list(range(generations[0], generations[0] + 10))
+        peer = PAIRS[rank][1 - PAIRS[rank].index(rank)]
+        assert results[peer]["open_close"]["generations"] == generations  # members agree
+        assert f["live"] == 1
+
+
+def test_submesh_recreation_survives_the_same_skew(world: list[dict[str, Any] | None]) -> None:
+    for rank, f in enumerate(phase(world, "mesh_recipes")):
+        run = f["submesh"]
+        assert run["sums"] == [sum(PAIRS[rank])] * 6, rank
+        assert run["generations"] == list(range(run["generations"][0], run["generations"][0] + 6))
+        dp_sum = {0: 2, 2: 2, 1: 4, 3: 4}[rank]  # dp groups of a 2 x 2 mesh: [0, 2], [1, 3]
+        assert run["dp"] == (True, dp_sum)  # the parent's group outlives every sub-mesh
+
+
+def test_two_meshes_over_the_same_ranks_survive_the_same_skew(
+    world: list[dict[str, Any] | None],
+) -> None:
+    for rank, f in enumerate(phase(world, "mesh_recipes")):
+        run = f["two_meshes"]
+        assert run["sums"] == [sum(PAIRS[rank])] * 16, rank
+        assert run["distinct_names"] is True
+
+
+# ------------------------------------------------- hazard 6: duplicate names
+
+
+def test_public_duplicates_then_recreate_raises(world: list[dict[str, Any] | None]) -> None:
+    for f in phase(world, "public_hazards_and_pins")[2:]:
+        run = f["duplicates_public"]
+        assert run["sums"] == [5, 5]  # two live groups over [2, 3] both work...
+        assert run["again"] == (  # ...until the older goes and the group is made again
+            "ValueError: The specified group name has already been created, "
+            "please use a different group name"
+        )
+        assert run["live"] == 1
+
+
+def test_mesh_duplicates_then_recreate_works(world: list[dict[str, Any] | None]) -> None:
+    for f in phase(world, "public_hazards_and_pins")[2:]:
+        run = f["duplicates_mesh"]
+        assert run["sums"] == [5, 5, 5, 5]
+        assert len(set(run["names"])) == 3
+        assert run["live"] == 1
+
+
+# ------------------------------------------------- hazard 2: close() with a dead peer
+
+
+def test_close_returns_promptly_after_a_peer_died(world: list[dict[str, Any] | None]) -> None:
+    dead = world[workers.DEAD_RANK]
+    assert dead is not None and dead[DIED] is True  # rank 3 died (os._exit) in the scope
+    assert "peer_death" not in dead
+    survivors = phase(world, "peer_death")
+    assert len(survivors) == 3
+    for rank, f in enumerate(survivors):
+        expected = {0: [2, 1], 1: [4, 1, 6], 2: [2, 5, 6]}[rank]  # dp, tp, then [1, 2, 3]
+        assert f["sums"] == expected
+        assert f["peer_gone"] is True  # close() ran after the peer's process had ended
+        assert f["live_open"] == len(expected) + 1
+        assert f["elapsed"] < 10.0  # a bound on "never hangs", not a speed test
+        assert f["live"] == 1  # everything but WORLD destroyed, locally
+
+
+# ------------------------------------------------- hazard 3: non-members
+
+
+def test_non_members_get_none(world: list[dict[str, Any] | None]) -> None:
+    for rank, f in zip((2, 3), phase(world, "public_hazards_and_pins")[2:]):
+        run = f["non_members"]
+        assert run["public_repr"] == "None"  # torch 2.13's own answer, pinned
+        assert run["public_is_none"] is True
+        assert run["helper"] == "None"
+        assert run["indices_first"] == ([2] if rank == 2 else None)
+        assert run["indices_last"] == ([3] if rank == 3 else None)
+        assert run["indices_first_again_same"] is True
+        assert run["indices_last_again_same"] is True
+        assert run["sentinel_mapped"] == "None"  # 2.14's NON_GROUP_MEMBER becomes None
+        assert run["live"] == 1
+
+
+# ------------------------------------------------- hazard 4: double destroy
+
+
+def test_double_destroy_is_skipped(world: list[dict[str, Any] | None]) -> None:
+    for f in phase(world, "public_hazards_and_pins")[2:]:
+        run = f["double_destroy"]
+        assert run["works"] == 5
+        assert (run["first"], run["second"]) == (True, False)
+        assert run["torch_again"] == "ValueError: Invalid process group specified"  # the hazard
+        assert run["destroy_world"] is False  # WORLD is never destroyed
+        assert run["world_live"] is True
+        assert run["live"] == 1
+
+
+# ------------------------------------------------- hazard 5: order
+
+
+def test_opposite_order_raises_group_formation_error_naming_axis_and_ranks(
+    world: list[dict[str, Any] | None],
+) -> None:
+    results = phase(world, "order")
+    assert len(results) == WORLD
+    for rank, f in enumerate(results):
+        assert f["error"] is not None, f"rank {rank} formed its group: no deadlock?"
+        assert f["is_runtime_error"] is True
+        if rank == 0:  # asked for tp first
+            assert "along axis 'tp' over ranks [0, 1]" in f["error"]
+        else:  # asked for (dp, tp) first
+            assert "along axes ('dp', 'tp') over ranks [0, 1, 2, 3]" in f["error"]
+        assert "within 0:00:02" in f["error"]
+        assert "in different orders" in f["error"]
+        assert f["elapsed"] < 60.0  # it ends: a bound on "never hangs"
+        assert f["live"] == 1
+
+
+def test_groups_form_again_after_a_formation_error(world: list[dict[str, Any] | None]) -> None:
+    for rank, f in enumerate(phase(world, "order_recovers")):
+        assert f["tp"] == PAIRS[rank]
+        assert f["everyone"] == [0, 1, 2, 3]
+        assert f["live"] == 1
+
+
+# ------------------------------------------------- the private path, pinned
+
+
+def test_private_path_names_count_one_generation_per_incarnation(
+    world: list[dict[str, Any] | None],
+) -> None:
+    results = phase(world, "public_hazards_and_pins")[2:]
+    for f in results:
+        run = f["names"]
+        assert run["supported"] is True
+        assert run["names"] == run["expected_names"]
+        first = run["generations"][0]
+        assert first >= 1
+        assert run["generations"] == [first, first + 1, first + 2]
+        assert run["live"] == 1
+    assert results[0]["names"]["names"] == results[1]["names"]["names"]  # members agree
+
+
+def test_formation_ends_together_on_every_member(world: list[dict[str, Any] | None]) -> None:
+    rank2, rank3 = phase(world, "public_hazards_and_pins")[2:]
+    assert rank3["formation_ends_together"]["patched"] is True
+    # Rank 3 finished 1.5 s late; rank 2's request returned only after that.
+    assert rank2["formation_ends_together"]["peer_done"] is True
+    assert rank2["formation_ends_together"]["works"] == 5
+
+
+def test_fallback_to_public_new_group_warns_and_works(world: list[dict[str, Any] | None]) -> None:
+    for rank, f in enumerate(phase(world, "fallback")):
+        assert f["everyone"] == [0, 1, 2, 3]
+        assert f["dp"] == [[0, 2], [1, 3], [0, 2], [1, 3]][rank]
+        assert f["live_open"] == 3
+        (warning,) = f["warnings"]  # once, for two groups made
+        category, message = warning
+        assert category == "RuntimeWarning"
+        assert "falls back to public new_group" in message
+        assert "Connect timeout" in message
+        assert "already been created" in message
+        assert all(re.fullmatch(r"[0-9a-f]{40}", name) for name in f["names"])  # torch's names
+
+
+def test_every_phase_restores_the_live_group_count(world: list[dict[str, Any] | None]) -> None:
+    for check in workers.C10D_CHECKS:
+        for rank, entry in enumerate(entries(world, check.__name__)):
+            if entry is None:
+                continue
+            assert entry["live_before"] == entry["live_after"] == 1, (check.__name__, rank)
+            assert entry["warnings"] == [], (check.__name__, rank)
+
+
+def test_private_path_supported_on_this_torch() -> None:
+    assert _c10d.private_path_supported() is True
+
+
+def test_private_path_refused_when_torch_internals_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    def _new_process_group_helper(group_size: int, group_rank: int) -> None:  # too few parameters
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(c10d, "_new_process_group_helper", _new_process_group_helper)
+    assert _c10d.private_path_supported() is False
+    monkeypatch.undo()
+    monkeypatch.setattr(c10d, "_world", object())  # a world without pg_map, pg_names, ...
+    assert _c10d.private_path_supported() is False
+
+
+def test_group_name_format() -> None:
+    name = _c10d.group_name([3, 1], "gloo", 7)
+    assert re.fullmatch(r"scopedmesh-[0-9a-f]{20}-7", name)
+    assert name == _c10d.group_name((1, 3), "gloo", 7)  # the ranks' order does not matter
+    assert name != _c10d.group_name([1, 3], "gloo", 8)
+    assert name != _c10d.group_name([1, 3], "nccl", 7)
+    assert name != _c10d.group_name([1, 2], "gloo", 7)

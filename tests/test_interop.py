@@ -1,0 +1,192 @@
+"""Tests for scopedmesh.interop: a mesh handed to torch's DeviceMesh, DTensor, TP, FSDP2 and DDP.
+
+Layout facts are checked in this process on the ``fake`` backend (any world size,
+no communication); real collectives run once, in one 4-rank gloo world whose
+results several tests read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import _workers_interop as workers
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from scopedmesh import AxisError, MeshClosedError, MeshLayout, ProcessGroupMesh, _c10d
+from scopedmesh.interop import layout_of, to_device_mesh
+from scopedmesh.testing import run_world
+
+# ------------------------------------------------------------ fake backend
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.fail("a previous test left torch.distributed initialized")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rank", [0, 5, 7])
+def test_device_mesh_has_the_mesh_layout_and_groups(rank: int) -> None:
+    with fake_world(rank, 8), ProcessGroupMesh(2, 2, 2, names=("dp", "pp", "tp")) as mesh:
+        tp = mesh.get_group_along_axis("tp")
+        before = _c10d.live_group_count()
+        dm = mesh.to_device_mesh("cpu")
+        assert isinstance(dm, DeviceMesh)
+        assert _c10d.live_group_count() == before + 2  # dp and pp made now; tp reused
+        assert layout_of(dm) == mesh.layout
+        assert dm.mesh_dim_names == ("dp", "pp", "tp")
+        assert tuple(dm.get_coordinate() or ()) == mesh.coordinate()
+        for axis in ("dp", "pp", "tp"):
+            assert dm.get_group(axis) is mesh.get_group_along_axis(axis)
+            assert dm[axis].get_group() is mesh.get_group_along_axis(axis)
+        assert dm.get_group("tp") is tp
+        again = to_device_mesh(mesh, "cpu")
+        assert _c10d.live_group_count() == before + 2  # a second DeviceMesh makes no group
+        assert layout_of(again) == layout_of(dm)
+
+
+@pytest.mark.parametrize(
+    ("axes", "names"),
+    [
+        (("tp",), ("tp",)),
+        (("pp", "tp"), ("pp", "tp")),
+        (("tp", "dp"), ("tp", "dp")),
+        ((2, 0), ("tp", "dp")),
+    ],
+)
+def test_device_mesh_over_some_axes_in_any_order(
+    axes: tuple[Any, ...], names: tuple[str, ...]
+) -> None:
+    with fake_world(6, 8), ProcessGroupMesh(2, 2, 2, names=("dp", "pp", "tp")) as mesh:
+        dm = mesh.to_device_mesh("cpu", axes=axes)
+        assert dm.mesh_dim_names == names
+        assert layout_of(dm) == mesh.layout.sub(mesh.coordinate(), axes)
+        assert 6 in layout_of(dm)
+        for name in names:
+            assert dm.get_group(name) is mesh.get_group_along_axis(name)
+
+
+def test_device_mesh_of_a_submesh_and_of_unnamed_axes() -> None:
+    with fake_world(3, 8), ProcessGroupMesh(2, 4) as mesh:
+        dm = mesh.to_device_mesh("cpu")
+        assert dm.mesh_dim_names == ("axis0", "axis1")
+        assert dm.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        with mesh.submesh(1) as row:
+            sub = row.to_device_mesh("cpu")
+            assert sub.mesh.tolist() == [0, 1, 2, 3]
+            assert sub.get_group() is mesh.get_group_along_axis(1)
+
+
+def test_device_mesh_over_a_subset_of_the_world() -> None:
+    with fake_world(6, 8), ProcessGroupMesh(2, 2, ranks=[2, 3, 6, 7], names=("dp", "tp")) as mesh:
+        dm = mesh.to_device_mesh("cpu")
+        assert dm.mesh.tolist() == [[2, 3], [6, 7]]
+        assert tuple(dm.get_coordinate() or ()) == (1, 0)
+        assert layout_of(dm) == mesh.layout
+
+
+def test_layout_of_a_torch_made_device_mesh() -> None:
+    with fake_world(0, 8):
+        dm = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        assert layout_of(dm) == MeshLayout((2, 4), names=("dp", "tp"))
+        assert layout_of(dm["tp"]) == MeshLayout((4,), names=("tp",))
+
+
+def test_descending_ranks_along_an_axis_are_refused() -> None:
+    # Rank 0 sits at tp=1 but is rank 0 of the tp group: DTensor would misplace its shard.
+    with fake_world(0, 4), ProcessGroupMesh(2, 2, ranks=[1, 0, 3, 2], names=("dp", "tp")) as mesh:
+        with pytest.raises(ValueError, match=r"axis 'tp' lists ranks out of ascending order"):
+            mesh.to_device_mesh("cpu")
+        dm = mesh.to_device_mesh("cpu", axes=("dp",))  # dp ascends: (0, 2) through rank 0
+        assert dm.mesh.tolist() == [0, 2]
+
+
+def test_bad_arguments_and_closed_mesh() -> None:
+    with fake_world(0, 4):
+        with ProcessGroupMesh(2, 2, names=("dp", "tp")) as mesh:
+            with pytest.raises(TypeError, match="device_type must be a device name"):
+                mesh.to_device_mesh("")
+            with pytest.raises(TypeError, match="device_type must be a device name"):
+                mesh.to_device_mesh(None)  # type: ignore[arg-type]
+            with pytest.raises(
+                AxisError, match=r"unknown axis 'tpp'; this mesh's axes are \('dp', 'tp'\)"
+            ):
+                mesh.to_device_mesh("cpu", axes=("tpp",))
+            with pytest.raises(ValueError, match="must be distinct"):
+                mesh.to_device_mesh("cpu", axes=("tp", 1))
+        with pytest.raises(MeshClosedError, match="is closed"):
+            mesh.to_device_mesh("cpu")
+        with pytest.raises(TypeError, match="mesh must be a ProcessGroupMesh"):
+            to_device_mesh(mesh.layout, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="device_mesh must be a torch DeviceMesh"):
+        layout_of(range(4))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------- real collectives
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict[str, Any]]:
+    return run_world(workers.device_mesh_world, 4, timeout=240.0)
+
+
+def test_device_mesh_in_a_real_world(world: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(world):
+        assert out["layout"] == out["mesh_layout"] == MeshLayout((2, 2), names=("dp", "tp"))
+        assert out["dim_names"] == ("dp", "tp")
+        assert out["coordinate"] == out["mesh_coordinate"] == divmod(rank, 2)
+        assert out["same_groups"] and out["sliced_tp_group"] and out["submesh_group"]
+        assert out["tp_dp_layout"] == MeshLayout((2, 2), names=("tp", "dp"), ranks=[0, 2, 1, 3])
+        assert out["submesh_layout"] == MeshLayout(
+            (2,), names=("tp",), ranks=[2 * (rank // 2), 2 * (rank // 2) + 1]
+        )
+
+
+def test_distribute_tensor_round_trips(world: list[dict[str, Any]]) -> None:
+    full = workers.FULL.tolist()
+    for rank, out in enumerate(world):
+        dp, tp = divmod(rank, 2)
+        assert out["local"] == workers.FULL[2 * dp : 2 * dp + 2, 3 * tp : 3 * tp + 3].tolist()
+        assert out["full"] == full
+        assert out["redistributed"] == full
+        assert out["tp_dp_full"] == full
+
+
+def test_tensor_parallel_and_fsdp2_run_on_it(world: list[dict[str, Any]]) -> None:
+    for out in world:
+        assert out["tp_error"] < 1e-12
+        assert out["fsdp_error"] < 1e-12
+        assert out["fsdp_grad_error"] < 1e-12
+
+
+def test_ddp_averages_gradients_over_exactly_the_dp_group(world: list[dict[str, Any]]) -> None:
+    layout = MeshLayout((2, 2), names=("dp", "tp"))
+    alone = [torch.tensor(workers.local_grad(r), dtype=torch.float64) for r in range(4)]
+    world_mean = torch.stack(alone).mean(0)
+    for rank, out in enumerate(world):
+        dp_ranks = layout.group(layout.unravel(rank), "dp")
+        assert out["dp_ranks"] == list(dp_ranks) == [rank % 2, rank % 2 + 2]
+        expected = torch.stack([alone[r] for r in dp_ranks]).mean(0)
+        grad = torch.tensor(out["ddp_grad"], dtype=torch.float64)
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(grad, world_mean)  # not the world's average
+        assert not torch.allclose(grad, alone[rank])  # nor this rank's own gradient
+
+
+def test_closing_the_mesh_destroys_every_group_torch_used(world: list[dict[str, Any]]) -> None:
+    for out in world:
+        assert out["live_groups_in_scope"] == 3  # WORLD, dp, tp: torch made none of its own
+        assert out["live_groups_after_close"] == 1  # WORLD only
+        assert "is closed" in out["closed_error"]
+        assert out["world_sum"] == 4.0  # WORLD still works
