@@ -2,50 +2,43 @@
 
 Pure integer facts from :class:`~scopedmesh.layout.MeshLayout` (standard library
 only, no torch); :mod:`scopedmesh.cli` parses the arguments and renders the text.
-A world above 64 ranks is summarised, and then nothing here costs O(world).
-Errors are ``ValueError`` messages that name the CLI option at fault.
+Above 64 ranks (unless ``full``) lists are summarised and nothing costs O(world).
+Bad input raises ``ValueError`` naming the CLI option at fault.
 
 >>> plan = make_plan((2, 4, 8), names=("dp", "pp", "tp"), nproc=8, rank=13)
->>> [(p.label, p.size, p.count, p.nodes and p.nodes.placement) for p in plan.axes]
-[('dp', 2, 32, 'cross-node'), ('pp', 4, 16, 'cross-node'), ('tp', 8, 8, 'intra-node')]
+>>> [(p.label, p.count, p.nodes and p.nodes.placement) for p in plan.axes]
+[('dp', 32, 'cross-node'), ('pp', 16, 'cross-node'), ('tp', 8, 'intra-node')]
 >>> members(plan.layout, (0, 1, 5), (1,)), plan.rank and [g.nodes for g in plan.rank.groups]
 (range(5, 37, 8), [2, 4, 1])
 
 :meth:`Plan.document` is what ``--json`` prints, on one line::
 
-    {
-      "shape": [2, 4, 8],            # axis sizes, the -1 inferred
-      "names": ["dp", "pp", "tp"],   # null without --names
-      "labels": ["dp", "pp", "tp"],  # names, or "axis0", "axis1", ... without
-      "world": 64,                   # number of ranks
-      "strides": [32, 8, 1],         # rank = sum(coordinate[i] * strides[i])
-      "nproc_per_node": 8,           # null without --nproc-per-node
-      "nodes": 8,                    # ceil(world / nproc_per_node), or null
-      "full": true,                  # false when the lists below are summarised
-      "grid": [[[0, 1, ...], ...]],  # ranks nested like the shape; null if summarised
-      "axes": [{                     # every single axis in mesh order, then each --axis
-        "axes": ["dp"], "indices": [0],  # labels and axis indices, in mesh order
-        "stride": 32,                # rank distance along the axis; null for several axes
-        "size": 2, "count": 32,      # ranks per group, number of groups
-        "groups": [[0, 32], ...],    # ascending groups, in C order of the other axes
-        "omitted": 0,                # groups left out of "groups" (0 when complete) ...
-        "omitted_at": 32,            # ... between groups[:omitted_at] and the rest
-        "placement": "cross-node",   # "intra-node", "cross-node", "mixed" or null
-        "crossing": 32,              # groups spanning more than one node, or null
-        "span": [2, 2]               # fewest and most nodes a group spans, or null
-      }],
-      "rank": {                      # null without --rank
-        "rank": 13, "coordinate": [0, 1, 5],
-        "node": 1,                   # rank // nproc_per_node, or null
-        "groups": [{"axes": ["dp"], "ranks": [13, 45], "position": 0, "nodes": 2}, ...]
-      },
-      "warnings": ["..."]            # the warning lines of the text output
-    }
+    {"shape": [2, 4, 8],              # axis sizes, the -1 inferred
+     "names": ["dp", "pp", "tp"],     # null without --names
+     "labels": ["dp", "pp", "tp"],    # names, or "axis0", "axis1", ... without
+     "world": 64, "strides": [32, 8, 1],  # rank = sum(coordinate[i] * strides[i])
+     "nproc_per_node": 8,             # null without --nproc-per-node
+     "nodes": 8,                      # ceil(world / nproc_per_node), or null
+     "full": true,                    # false when the lists below are summarised
+     "grid": [[[0, 1, ...], ...]],    # ranks nested like the shape; null if summarised
+     "axes": [{                       # every single axis in mesh order, then each --axis
+       "axes": ["dp"], "indices": [0],  # labels and axis indices, in mesh order
+       "stride": 32,                  # rank distance along the axis; null for several
+       "size": 2, "count": 32,        # ranks per group, number of groups
+       "groups": [[0, 32], ...],      # ascending groups, in C order of the other axes
+       "omitted": 0,                  # groups left out (0 when complete), namely those
+       "omitted_at": 32,              # between groups[:omitted_at] and the rest
+       "placement": "cross-node",     # "intra-node", "cross-node", "mixed" or null
+       "crossing": 32,                # groups spanning more than one node, or null
+       "span": [2, 2]}],              # fewest and most nodes a group spans, or null
+     "rank": {"rank": 13, "coordinate": [0, 1, 5],  # null without --rank
+              "node": 1,              # rank // nproc_per_node, or null
+              "groups": [{"axes": ["dp"], "ranks": [13, 45], "position": 0, "nodes": 2}]},
+     "warnings": ["..."]}             # the warning lines of the text output
 
-Each listed group is complete. A summary lists no group of more than 2**20 ranks
-("groups" is empty, a rank group's "ranks" null). ``span`` (and a rank group's
-``nodes``) is null when counting would cost too much: a large group whose ranks
-are not evenly spaced.
+Listed groups are complete; a summary lists no group of more than 2**20 ranks
+("groups" empty, a rank group's "ranks" null). "span" and a rank group's "nodes"
+are null when counting would cost too much: a large group not evenly spaced.
 """
 
 from __future__ import annotations
@@ -56,24 +49,12 @@ from dataclasses import dataclass
 
 from scopedmesh.layout import MeshLayout
 
-__all__ = [
-    "AxisPlan",
-    "Nodes",
-    "Plan",
-    "RankGroup",
-    "RankPlan",
-    "group_coord",
-    "make_plan",
-    "members",
-    "nth",
-    "spaced",
-    "spans",
-]
+__all__ = ["AxisPlan", "Nodes", "Plan", "RankGroup", "RankPlan", "make_plan", "members"]
 
 SMALL_WORLD = 64  # up to this many ranks, everything is listed
 LIST_ALL = 8  # a summary still lists every group of an axis with this many groups
 HEAD, TAIL = 2, 2  # groups listed at each end of a summarised axis
-LARGE = 1 << 12  # larger unevenly spaced groups are summed from their axes' progressions
+LARGE = 1 << 12  # bigger uneven groups are summed from their axes' progressions
 JSON_GROUP = 1 << 20  # a summary's JSON leaves out groups with more ranks
 BUDGET = 1 << 18  # most (shift, rank) pairs visited to count the nodes of uneven groups
 HUNGRY = frozenset({"tp", "sp", "cp", "ep"})  # axes that usually want the fastest links
@@ -81,7 +62,7 @@ HUNGRY = frozenset({"tp", "sp", "cp", "ep"})  # axes that usually want the faste
 
 @dataclass(frozen=True)
 class Nodes:
-    """Where an axis's groups sit at ``nproc`` ranks per node (node = rank // nproc)."""
+    """Where an axis's groups sit, at ``nproc`` ranks per node (node = rank // nproc)."""
 
     placement: str  # "intra-node", "cross-node" or "mixed"
     crossing: int  # groups that span more than one node
@@ -90,7 +71,7 @@ class Nodes:
 
 @dataclass(frozen=True)
 class AxisPlan:
-    """The groups along one set of axes; ``head`` and ``tail`` say which are listed."""
+    """The groups along one set of axes, of which ``head`` + ``tail`` are listed."""
 
     axes: tuple[int, ...]  # in mesh order
     label: str
@@ -126,12 +107,12 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything ``scopedmesh plan`` shows, for a layout with the default ranks."""
+    """Everything ``scopedmesh plan`` shows about a layout with the default ranks."""
 
     layout: MeshLayout
     labels: tuple[str, ...]
     strides: tuple[int, ...]  # rank = sum(coordinate[i] * strides[i])
-    full: bool  # False when big lists are summarised
+    full: bool  # False when long lists are summarised
     nproc: int | None
     axes: tuple[AxisPlan, ...]
     rank: RankPlan | None
@@ -143,7 +124,7 @@ class Plan:
         return None if self.nproc is None else -(-self.layout.size // self.nproc)
 
     def document(self) -> dict[str, object]:
-        """The JSON document (schema in the module docstring)."""
+        """The ``--json`` document (schema in the module docstring)."""
         layout, labels = self.layout, self.labels
 
         def listed(p: AxisPlan) -> bool:
@@ -151,8 +132,9 @@ class Plan:
 
         axes = []
         for p in self.axes:
-            shown = p.shown() if listed(p) else []
             nodes = p.nodes
+            shown = p.shown() if listed(p) else []
+            groups = [list(members(layout, group_coord(layout, p.axes, k), p.axes)) for k in shown]
             axes.append(
                 {
                     "axes": [labels[a] for a in p.axes],
@@ -160,33 +142,27 @@ class Plan:
                     "stride": self.strides[p.axes[0]] if len(p.axes) == 1 else None,
                     "size": p.size,
                     "count": p.count,
-                    "groups": [
-                        list(members(layout, group_coord(layout, p.axes, k), p.axes)) for k in shown
-                    ],
-                    "omitted": p.count - len(shown),
-                    "omitted_at": min(p.head, len(shown)),
+                    "groups": groups,
+                    "omitted": p.count - len(groups),
+                    "omitted_at": min(p.head, len(groups)),
                     "placement": None if nodes is None else nodes.placement,
                     "crossing": None if nodes is None else nodes.crossing,
                     "span": None if nodes is None or nodes.span is None else list(nodes.span),
                 }
             )
-        rank: object = None
+        rank: dict[str, object] | None = None
         if self.rank is not None:
             coord = self.rank.coordinate
-            rank = {
-                "rank": self.rank.rank,
-                "coordinate": list(coord),
-                "node": self.rank.node,
-                "groups": [
-                    {
-                        "axes": [labels[a] for a in g.axis.axes],
-                        "ranks": list(members(layout, coord, g.axis.axes)) if listed(g.axis) else None,
-                        "position": g.position,
-                        "nodes": g.nodes,
-                    }
-                    for g in self.rank.groups
-                ],
-            }
+            rank = {"rank": self.rank.rank, "coordinate": list(coord), "node": self.rank.node}
+            rank["groups"] = [
+                {
+                    "axes": [labels[a] for a in g.axis.axes],
+                    "ranks": list(members(layout, coord, g.axis.axes)) if listed(g.axis) else None,
+                    "position": g.position,
+                    "nodes": g.nodes,
+                }
+                for g in self.rank.groups
+            ]
         return {
             "shape": list(layout.shape),
             "names": None if layout.names is None else list(layout.names),
@@ -213,12 +189,11 @@ def make_plan(
     nproc: int | None = None,
     full: bool = False,
 ) -> Plan:
-    """The plan of ``scopedmesh plan SHAPE [--names ...] [--world W] [--axis A,B] ...``."""
+    """The plan for ``scopedmesh plan SHAPE --names ... --world W --axis A,B ...``."""
     layout = MeshLayout(_resolve_shape(shape, world), names=_check_names(names, len(shape)))
     labels = layout.names or tuple(f"axis{a}" for a in range(layout.ndim))
-    world = layout.size
-    if rank is not None and not 0 <= rank < world:
-        raise ValueError(f"--rank {rank} is not in the mesh: its ranks are 0 to {world - 1}")
+    if rank is not None and not 0 <= rank < layout.size:
+        raise ValueError(f"--rank {rank} is not in the mesh: its ranks are 0 to {layout.size - 1}")
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc-per-node must be positive, got {nproc}")
     axis_sets: list[tuple[int, ...]] = [(a,) for a in range(layout.ndim)]
@@ -226,41 +201,32 @@ def make_plan(
         axes = _axis_set(layout, labels, spec)
         if axes not in axis_sets:
             axis_sets.append(axes)
-    full = full or world <= SMALL_WORLD
-    strides = tuple(math.prod(layout.shape[a + 1 :]) for a in range(layout.ndim))
-    plans = []
+    full = full or layout.size <= SMALL_WORLD
+    plans: list[AxisPlan] = []
+    warnings: list[str] = []
     for axes in axis_sets:
         size = math.prod(layout.shape[a] for a in axes)
-        count = world // size
+        count = layout.size // size
         head, tail = (count, 0) if full or count <= LIST_ALL else (HEAD, TAIL)
         nodes = None if nproc is None else _node_facts(layout, axes, nproc)
-        label = ",".join(labels[a] for a in axes)
-        plans.append(AxisPlan(axes, label, size, count, head, tail, nodes))
-    warnings = tuple(
-        _warning(p, nproc)
-        for p in plans
-        if nproc is not None
-        and p.nodes is not None
-        and p.nodes.crossing
-        and len(p.axes) == 1
-        and (p.label.lower() in HUNGRY or p.axes[0] == layout.ndim - 1)
-    )
+        p = AxisPlan(axes, ",".join(labels[a] for a in axes), size, count, head, tail, nodes)
+        plans.append(p)
+        hungry = p.label.lower() in HUNGRY or axes == (layout.ndim - 1,)
+        if nproc is not None and nodes is not None and nodes.crossing and len(axes) == 1 and hungry:
+            warnings.append(_warning(p, nodes, nproc))
     rank_plan = None
     if rank is not None:
         coord = layout.unravel(rank)
         groups = []
         for p in plans:
-            position = MeshLayout(tuple(layout.shape[a] for a in p.axes)).ravel(
-                tuple(coord[a] for a in p.axes)
-            )
-            counts = None if nproc is None else spans(layout, coord, p.axes, nproc, [0])
+            inner = MeshLayout(tuple(layout.shape[a] for a in p.axes))
+            position = inner.ravel(tuple(coord[a] for a in p.axes))
+            counts = None if nproc is None else _spans(layout, coord, p.axes, nproc, [0])
             groups.append(RankGroup(p, position, None if counts is None else counts[0]))
         node = None if nproc is None else rank // nproc
         rank_plan = RankPlan(rank, coord, node, tuple(groups))
-    return Plan(layout, labels, strides, full, nproc, tuple(plans), rank_plan, warnings)
-
-
-# ------------------------------------------------------------------- checks
+    strides = tuple(math.prod(layout.shape[a + 1 :]) for a in range(layout.ndim))
+    return Plan(layout, labels, strides, full, nproc, tuple(plans), rank_plan, tuple(warnings))
 
 
 def _resolve_shape(shape: Sequence[int], world: int | None) -> tuple[int, ...]:
@@ -316,17 +282,15 @@ def _axis_set(layout: MeshLayout, labels: tuple[str, ...], spec: str) -> tuple[i
     return tuple(sorted(layout.axes_indices(items, argument="--axis")))
 
 
-# ------------------------------------------------------------------- groups
-# Facts of one group of a layout with the default ranks, where a group's C order
-# (over its axes) is ascending order.
+# --------------------------------------------------------------------- groups
+# With the default ranks, a group's C order over its axes is ascending order.
 
 
 def group_coord(layout: MeshLayout, axes: Sequence[int], index: int) -> tuple[int, ...]:
-    """A coordinate of the ``index``-th group along ``axes`` (C order of the others)."""
+    """A coordinate of the ``index``-th group along ``axes`` (C order of the other axes)."""
     others = [a for a in range(layout.ndim) if a not in axes]
     coord = [0] * layout.ndim
-    inner = MeshLayout(tuple(layout.shape[a] for a in others))
-    for a, c in zip(others, inner.unravel(index)):
+    for a, c in zip(others, MeshLayout(tuple(layout.shape[a] for a in others)).unravel(index)):
         coord[a] = c
     return tuple(coord)
 
@@ -337,11 +301,32 @@ def nth(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int], index: in
     return sub.ravel(MeshLayout(sub.shape).unravel(index))
 
 
-def spaced(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> bool:
-    """Whether the group's ranks are evenly spaced (so ``compact_group`` is O(ndim)).
+def members(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> Sequence[int]:
+    """The ranks of the group along ``axes`` through ``coord``, ascending.
 
-    Layouts compare by value in O(ndim): the group's sub-layout against the
-    evenly spaced layout through its two smallest ranks.
+    ``compact_group``'s answer, a ``range`` in O(ndim) when evenly spaced; a large
+    uneven group is summed from its axes' progressions, several times faster.
+
+    >>> layout = MeshLayout((2, 3, 4))
+    >>> members(layout, (1, 2, 3), (0, 1)), members(layout, (0, 0, 0), (0, 2))
+    (range(3, 27, 4), (0, 1, 2, 3, 12, 13, 14, 15))
+    """
+    if math.prod(layout.shape[a] for a in axes) <= LARGE or _spaced(layout, coord, axes):
+        return layout.compact_group(coord, axes)
+    sub = layout.sub(coord, axes)
+    origin = (0,) * sub.ndim
+    ranks = [sub.ravel(origin)]
+    for i in range(sub.ndim):  # outermost axis first, so the sums come out ascending
+        along = _progression(sub, origin, i)
+        ranks = [r + s - along.start for r in ranks for s in along]
+    return ranks
+
+
+def _spaced(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> bool:
+    """Whether the group is evenly spaced, in O(ndim) (``compact_group`` would list it).
+
+    Layouts compare by value in O(ndim): the group's sub-layout against the evenly
+    spaced one through its two smallest ranks.
     """
     sub = layout.sub(coord, axes)
     first = nth(layout, coord, axes, 0)
@@ -350,81 +335,49 @@ def spaced(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> boo
     return sub == MeshLayout(sub.shape, names=sub.names, ranks=even)
 
 
-def members(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> Sequence[int]:
-    """The ranks of the group along ``axes`` through ``coord``, ascending.
-
-    ``compact_group``'s answer: a ``range`` in O(ndim) when evenly spaced. A large
-    uneven group is summed from its axes' progressions instead, several times
-    faster than walking its coordinates.
-
-    >>> layout = MeshLayout((2, 3, 4))
-    >>> members(layout, (1, 2, 3), (0, 1)), members(layout, (0, 0, 0), (0, 2))
-    (range(3, 27, 4), (0, 1, 2, 3, 12, 13, 14, 15))
-    """
-    if math.prod(layout.shape[a] for a in axes) <= LARGE or spaced(layout, coord, axes):
-        return layout.compact_group(coord, axes)
-    sub = layout.sub(coord, axes)
-    origin = (0,) * sub.ndim
-    ranks = [sub.ravel(origin)]
-    for i in range(sub.ndim):  # outermost first, so the sums come out ascending
-        step = _progression(sub, origin, i)
-        ranks = [r + s - step.start for r in ranks for s in step]
-    return ranks
-
-
-def spans(
-    layout: MeshLayout, coord: Sequence[int], axes: Sequence[int], nproc: int, shifts: list[int]
-) -> list[int] | None:
-    """The nodes spanned by the group through ``coord`` shifted by each of ``shifts``.
-
-    O(1) a shift for evenly spaced ranks; None when an uneven group would cost
-    more than BUDGET.
-    """
-    size = math.prod(layout.shape[a] for a in axes)
-    if size * len(shifts) > BUDGET and not spaced(layout, coord, axes):
-        return None
-    group = members(layout, coord, axes)
-    return [_nodes_spanned(group, nproc, shift) for shift in shifts]
-
-
-# -------------------------------------------------------------------- nodes
-
-
 def _progression(layout: MeshLayout, coord: Sequence[int], axis: int) -> range:
-    """The ranks along one axis through ``coord``: always evenly spaced."""
+    """The ranks along one axis through ``coord``, always evenly spaced."""
     group = layout.compact_group(coord, axis)
     assert isinstance(group, range)
     return group
 
 
-def _nodes_spanned(group: Sequence[int], nproc: int, shift: int = 0) -> int:
-    """How many nodes hold the ranks of ``group`` plus ``shift``."""
+# ---------------------------------------------------------------------- nodes
+
+
+def _spans(
+    layout: MeshLayout, coord: Sequence[int], axes: Sequence[int], nproc: int, shifts: list[int]
+) -> list[int] | None:
+    """How many nodes hold the group through ``coord``, its ranks shifted by each of ``shifts``.
+
+    O(1) a shift when evenly spaced; None when an uneven group would cost over BUDGET.
+    """
+    size = math.prod(layout.shape[a] for a in axes)
+    if size * len(shifts) > BUDGET and not _spaced(layout, coord, axes):
+        return None
+    group = members(layout, coord, axes)
     if not isinstance(group, range):
-        return len({(r + shift) // nproc for r in group})
+        return [len({(r + shift) // nproc for r in group}) for shift in shifts]
     if len(group) == 1 or group.step >= nproc:  # a node or more between neighbours
-        return len(group)
-    return (group[-1] + shift) // nproc - (group[0] + shift) // nproc + 1  # none skipped
+        return [len(group)] * len(shifts)
+    return [(group[-1] + s) // nproc - (group[0] + s) // nproc + 1 for s in shifts]  # none skipped
 
 
 def _residues(layout: MeshLayout, axes: Sequence[int], nproc: int) -> dict[int, int]:
     """How many groups along ``axes`` start at each rank modulo ``nproc``.
 
-    The starts (0 on ``axes``) sum one rank of each other axis's progression.
-    Costs O(min(nproc, count) * min(nproc, size)) per other axis, never O(world).
+    A start (0 on ``axes``) sums one rank of each other axis's progression. Costs
+    O(min(nproc, count) * min(nproc, size)) per other axis, never O(world).
     """
     origin = (0,) * layout.ndim
     counts = {0: 1}
     for a in (a for a in range(layout.ndim) if a not in axes):
-        step = _progression(layout, origin, a)
-        period = nproc // math.gcd(step.step, nproc)
-        # each residue of the axis, with how many of its positions land on it
-        offsets = {
-            step[c] % nproc: (len(step) - 1 - c) // period + 1
-            for c in range(min(len(step), period))
-        }
+        along = _progression(layout, origin, a)
+        period = nproc // math.gcd(along.step, nproc)  # positions p and p + period share a residue
+        steps = {along[c] % nproc: len(along[c::period]) for c in range(min(len(along), period))}
         merged: dict[int, int] = {}
         for r, m in counts.items():
-            for d, k in offsets.items():
+            for d, k in steps.items():
                 merged[(r + d) % nproc] = merged.get((r + d) % nproc, 0) + m * k
         counts = merged
     return counts
@@ -434,18 +387,16 @@ def _node_facts(layout: MeshLayout, axes: tuple[int, ...], nproc: int) -> Nodes:
     """Placement, crossing count and node span of the groups along ``axes``."""
     residues = _residues(layout, axes, nproc)
     origin = (0,) * layout.ndim
-    extent = layout.ravel(tuple(n - 1 if a in axes else 0 for a, n in enumerate(layout.shape)))
+    extent = nth(layout, origin, axes, math.prod(layout.shape[a] for a in axes) - 1)
     count = sum(residues.values())
     crossing = sum(m for r, m in residues.items() if r + extent >= nproc)
     placement = "intra-node" if not crossing else "cross-node" if crossing == count else "mixed"
-    # A group starting at residue r spans the nodes of the origin group shifted by r.
-    counts = spans(layout, origin, axes, nproc, list(residues))
-    return Nodes(placement, crossing, None if counts is None else (min(counts), max(counts)))
+    # The group starting at residue r spans the nodes of the origin group shifted by r.
+    spans = _spans(layout, origin, axes, nproc, list(residues))
+    return Nodes(placement, crossing, None if spans is None else (min(spans), max(spans)))
 
 
-def _warning(p: AxisPlan, nproc: int) -> str:
-    assert p.nodes is not None
-    nodes = p.nodes
+def _warning(p: AxisPlan, nodes: Nodes, nproc: int) -> str:
     if nodes.placement == "mixed":
         how = f"{nodes.crossing} of {p.count} groups span more than one node"
     elif nodes.span is not None and nodes.span[0] == nodes.span[1]:

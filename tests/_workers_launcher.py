@@ -32,6 +32,7 @@ def all_reduce_ranks(rank: int, world_size: int, pid_dir: str) -> dict[str, obje
         "flag": os.environ.get("SCOPEDMESH_TEST_FLAG"),
         "dist_rank": dist.get_rank(),
         "big": bytes([rank]) * BIG,
+        "tensor": t,  # reaches the parent after this process has gone
     }
 
 

@@ -43,6 +43,7 @@ def test_results_in_rank_order_with_all_reduce_env_and_large_result(tmp_path: Pa
         assert r["dist_rank"] == rank
         assert r["flag"] == "on"
         assert r["big"] == bytes([rank]) * workers.BIG
+        assert r["tensor"].tolist() == [3.0]
     _assert_gone(_pids(tmp_path))
 
 

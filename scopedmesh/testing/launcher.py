@@ -105,14 +105,16 @@ def _child_main(
             )
             result = fn(rank, world_size, *args)
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
             return
         try:
-            # Connection.send pickles fully before writing, so a result that
-            # cannot be pickled leaves the pipe clean for the error report.
-            conn.send(("ok", result))
+            # Plain pickle, not multiprocessing's: torch would share a tensor's memory
+            # with this process, which is gone by the time the parent reads it. It
+            # pickles fully before writing, so a failure leaves the pipe clean.
+            conn.send_bytes(pickle.dumps(("ok", result)))
         except Exception:
-            conn.send(("error", "the result could not be sent:\n" + traceback.format_exc()))
+            report = "the result could not be sent:\n" + traceback.format_exc()
+            conn.send_bytes(pickle.dumps(("error", report)))
     finally:
         conn.close()
         if dist.is_available() and dist.is_initialized():
@@ -312,7 +314,7 @@ def _poll_rank(
     if reader is not None and not reader.closed:
         try:
             if reader.poll():
-                kind, payload = reader.recv()
+                kind, payload = pickle.loads(reader.recv_bytes())
                 if kind == "ok":
                     results[rank] = payload
                 else:
