@@ -22,6 +22,7 @@ public ``new_group`` with a warning that names the hazard.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -72,7 +73,9 @@ def private_path_supported() -> bool:
         return False
     if not all(hasattr(world, attr) for attr in ("pg_map", "pg_names", "pg_group_ranks")):
         return False
-    code = getattr(helper, "__code__", None)
+    # torch wraps many c10d functions in functools.wraps loggers (_time_logger, ...):
+    # judge the function underneath, not the wrapper's (*args, **kwargs).
+    code = getattr(inspect.unwrap(helper), "__code__", None)
     if code is None:
         return False
     parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]

@@ -1,9 +1,9 @@
 """The facts ``scopedmesh plan`` prints: a mesh's groups, their nodes, one rank's view.
 
-Pure integer facts from :class:`~scopedmesh.layout.MeshLayout` (standard library
-only, no torch); :mod:`scopedmesh.cli` parses the arguments and renders the text.
-Above 64 ranks (unless ``full``) lists are summarised and nothing costs O(world).
-Bad input raises ``ValueError`` naming the CLI option at fault.
+Pure integer facts from :class:`~scopedmesh.layout.MeshLayout` (no torch), which
+:mod:`scopedmesh.cli` renders as text. Above 64 ranks (unless ``full``) the lists
+are summarised and nothing costs O(world). Bad input raises ``ValueError`` naming
+the CLI option at fault.
 
 >>> plan = make_plan((2, 4, 8), names=("dp", "pp", "tp"), nproc=8, rank=13)
 >>> [(p.label, p.count, p.nodes and p.nodes.placement) for p in plan.axes]
@@ -13,28 +13,26 @@ Bad input raises ``ValueError`` naming the CLI option at fault.
 
 :meth:`Plan.document` is what ``--json`` prints, on one line::
 
-    {"shape": [2, 4, 8],              # axis sizes, the -1 inferred
-     "names": ["dp", "pp", "tp"],     # null without --names
-     "labels": ["dp", "pp", "tp"],    # names, or "axis0", "axis1", ... without
-     "world": 64, "strides": [32, 8, 1],  # rank = sum(coordinate[i] * strides[i])
-     "nproc_per_node": 8,             # null without --nproc-per-node
-     "nodes": 8,                      # ceil(world / nproc_per_node), or null
-     "full": true,                    # false when the lists below are summarised
-     "grid": [[[0, 1, ...], ...]],    # ranks nested like the shape; null if summarised
-     "axes": [{                       # every single axis in mesh order, then each --axis
+    {"shape": [2, 4, 8], "world": 64,  # axis sizes (the -1 inferred), number of ranks
+     "names": ["dp", "pp", "tp"],      # null without --names
+     "labels": ["dp", "pp", "tp"],     # names, or "axis0", "axis1", ... without
+     "strides": [32, 8, 1],            # rank = sum(coordinate[i] * strides[i])
+     "nproc_per_node": 8, "nodes": 8,  # and ceil(world / nproc_per_node); or nulls
+     "full": true,                     # false when the lists below are summarised
+     "grid": [[[0, 1, ...], ...]],     # ranks nested like the shape; null if summarised
+     "axes": [{                        # every single axis in mesh order, then each --axis
        "axes": ["dp"], "indices": [0],  # labels and axis indices, in mesh order
-       "stride": 32,                  # rank distance along the axis; null for several
-       "size": 2, "count": 32,        # ranks per group, number of groups
-       "groups": [[0, 32], ...],      # ascending groups, in C order of the other axes
-       "omitted": 0,                  # groups left out (0 when complete), namely those
-       "omitted_at": 32,              # between groups[:omitted_at] and the rest
-       "placement": "cross-node",     # "intra-node", "cross-node", "mixed" or null
-       "crossing": 32,                # groups spanning more than one node, or null
-       "span": [2, 2]}],              # fewest and most nodes a group spans, or null
+       "stride": 32,                   # rank distance along the axis; null for several
+       "size": 2, "count": 32,         # ranks per group, number of groups
+       "groups": [[0, 32], ...],       # ascending groups, in C order of the other axes
+       "omitted": 0, "omitted_at": 32,  # groups left out, between [:omitted_at] and the rest
+       "placement": "cross-node",      # "intra-node", "cross-node", "mixed" or null
+       "crossing": 32,                 # groups spanning more than one node, or null
+       "span": [2, 2]}],               # fewest and most nodes a group spans, or null
      "rank": {"rank": 13, "coordinate": [0, 1, 5],  # null without --rank
-              "node": 1,              # rank // nproc_per_node, or null
+              "node": 1,               # rank // nproc_per_node, or null
               "groups": [{"axes": ["dp"], "ranks": [13, 45], "position": 0, "nodes": 2}]},
-     "warnings": ["..."]}             # the warning lines of the text output
+     "warnings": ["..."]}              # the warning lines of the text output
 
 Listed groups are complete; a summary lists no group of more than 2**20 ranks
 ("groups" empty, a rank group's "ranks" null). "span" and a rank group's "nodes"
@@ -49,12 +47,21 @@ from dataclasses import dataclass
 
 from scopedmesh.layout import MeshLayout
 
-__all__ = ["AxisPlan", "Nodes", "Plan", "RankGroup", "RankPlan", "make_plan", "members"]
+__all__ = [
+    "AxisPlan",
+    "Nodes",
+    "Plan",
+    "RankGroup",
+    "RankPlan",
+    "group_coord",
+    "make_plan",
+    "members",
+    "nth",
+]
 
 SMALL_WORLD = 64  # up to this many ranks, everything is listed
 LIST_ALL = 8  # a summary still lists every group of an axis with this many groups
 HEAD, TAIL = 2, 2  # groups listed at each end of a summarised axis
-LARGE = 1 << 12  # bigger uneven groups are summed from their axes' progressions
 JSON_GROUP = 1 << 20  # a summary's JSON leaves out groups with more ranks
 BUDGET = 1 << 18  # most (shift, rank) pairs visited to count the nodes of uneven groups
 HUNGRY = frozenset({"tp", "sp", "cp", "ep"})  # axes that usually want the fastest links
@@ -304,16 +311,17 @@ def nth(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int], index: in
 def members(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> Sequence[int]:
     """The ranks of the group along ``axes`` through ``coord``, ascending.
 
-    ``compact_group``'s answer, a ``range`` in O(ndim) when evenly spaced; a large
-    uneven group is summed from its axes' progressions, several times faster.
+    An evenly spaced group is ``compact_group``'s ``range``, in O(ndim). Another is
+    summed from its axes' progressions in O(size), several times faster than
+    ``compact_group`` walking its coordinates.
 
     >>> layout = MeshLayout((2, 3, 4))
     >>> members(layout, (1, 2, 3), (0, 1)), members(layout, (0, 0, 0), (0, 2))
-    (range(3, 27, 4), (0, 1, 2, 3, 12, 13, 14, 15))
+    (range(3, 27, 4), [0, 1, 2, 3, 12, 13, 14, 15])
     """
-    if math.prod(layout.shape[a] for a in axes) <= LARGE or _spaced(layout, coord, axes):
-        return layout.compact_group(coord, axes)
     sub = layout.sub(coord, axes)
+    if _spaced(sub):
+        return layout.compact_group(coord, axes)
     origin = (0,) * sub.ndim
     ranks = [sub.ravel(origin)]
     for i in range(sub.ndim):  # outermost axis first, so the sums come out ascending
@@ -322,17 +330,16 @@ def members(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> Se
     return ranks
 
 
-def _spaced(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> bool:
-    """Whether the group is evenly spaced, in O(ndim) (``compact_group`` would list it).
+def _spaced(group: MeshLayout) -> bool:
+    """Whether a group's sub-layout holds evenly spaced ranks, in O(ndim).
 
-    Layouts compare by value in O(ndim): the group's sub-layout against the evenly
-    spaced one through its two smallest ranks.
+    Layouts compare by value in O(ndim): ``group`` against the evenly spaced
+    layout through its two smallest ranks.
     """
-    sub = layout.sub(coord, axes)
-    first = nth(layout, coord, axes, 0)
-    step = nth(layout, coord, axes, 1) - first if sub.size > 1 else 1
-    even = range(first, first + sub.size * step, step)
-    return sub == MeshLayout(sub.shape, names=sub.names, ranks=even)
+    first = group.ravel((0,) * group.ndim)
+    step = group.ravel(MeshLayout(group.shape).unravel(1)) - first if group.size > 1 else 1
+    even = range(first, first + group.size * step, step)
+    return group == MeshLayout(group.shape, names=group.names, ranks=even)
 
 
 def _progression(layout: MeshLayout, coord: Sequence[int], axis: int) -> range:
@@ -353,7 +360,7 @@ def _spans(
     O(1) a shift when evenly spaced; None when an uneven group would cost over BUDGET.
     """
     size = math.prod(layout.shape[a] for a in axes)
-    if size * len(shifts) > BUDGET and not _spaced(layout, coord, axes):
+    if size * len(shifts) > BUDGET and not _spaced(layout.sub(coord, axes)):
         return None
     group = members(layout, coord, axes)
     if not isinstance(group, range):

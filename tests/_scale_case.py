@@ -37,7 +37,6 @@ class _Counter:
 
     def __init__(self, calls: list[dict[str, Any]]) -> None:
         self.calls = calls
-        self.public = 0
 
     def state(self) -> tuple[int, int]:
         return len(self.calls), _c10d.live_group_count()

@@ -15,6 +15,7 @@ import _workers_c10d as workers
 import pytest
 from _workers_mesh import DIED, entries, facts, last_words
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.c10d_logger import _time_logger
 
 from scopedmesh import _c10d
 from scopedmesh.testing import run_world
@@ -240,6 +241,17 @@ def test_every_phase_restores_the_live_group_count(world: list[dict[str, Any] | 
 
 
 def test_private_path_supported_on_this_torch() -> None:
+    assert _c10d.private_path_supported() is True
+
+
+def test_private_path_supported_through_torchs_own_logging_wrappers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch decorates c10d functions with functools.wraps loggers; one on the helper
+    # must not push the mesh onto the hazardous public path.
+    wrapped = _time_logger(c10d._new_process_group_helper)
+    assert wrapped is not c10d._new_process_group_helper
+    monkeypatch.setattr(c10d, "_new_process_group_helper", wrapped)
     assert _c10d.private_path_supported() is True
 
 
