@@ -40,6 +40,7 @@ __all__ = [
     "group_name",
     "is_live",
     "live_group_count",
+    "live_groups",
     "new_member_group",
     "private_path_supported",
 ]
@@ -257,6 +258,15 @@ def _all_formed(name: str, size: int, timeout: timedelta) -> None:
         store.set(f"{name}/all-formed", "1")
     else:
         store.wait([f"{name}/all-formed"], timeout)
+
+
+def live_groups() -> Mapping[dist.ProcessGroup, object]:
+    """torch's registry of live groups: the same dict object for the life of the process.
+
+    ``group in live_groups()`` is the cheapest liveness test there is; callers
+    may keep the mapping (read-only) to test many times.
+    """
+    return c10d._world.pg_map
 
 
 def is_live(group: dist.ProcessGroup) -> bool:

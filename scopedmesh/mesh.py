@@ -55,8 +55,23 @@ class ProcessGroupMesh:
         names: a name for each axis.
         ranks: the global ranks the mesh lays out in C order (default: all).
         backend, timeout, pg_options: defaults for the groups the mesh makes;
-            ``timeout`` is a ``timedelta`` or seconds.
-        eager: make every single-axis group now.
+            ``timeout`` is a ``timedelta`` or seconds. A backend this torch
+            lacks (e.g. ``'nccl'`` on a CPU build) is a ``ValueError`` here.
+        eager: make every single-axis group now. If that fails, the groups
+            already made are destroyed before the error propagates.
+
+    Lifetime rules (tested in ``tests/test_reliability.py``):
+
+    - Entering a closed mesh raises :class:`MeshClosedError`; entering a mesh
+      that is already entered raises ``RuntimeError`` and leaves it open.
+    - Closing a mesh closes its open sub-meshes first; a sub-mesh whose parent
+      closed is closed: group methods raise ``MeshClosedError``, layout queries
+      still answer, and leaving its ``with`` block is a no-op.
+    - A group destroyed behind the mesh's back (``dist.destroy_process_group``,
+      with or without an argument) is skipped by ``close()``; asking the mesh
+      for it again raises ``RuntimeError`` rather than return a dead group.
+    - A mesh garbage-collected while open warns (``ResourceWarning``) and
+      destroys nothing; its groups stay live until destroyed by hand.
     """
 
     def __init__(
@@ -123,7 +138,8 @@ class ProcessGroupMesh:
         self._backend = backend
         self._timeout = timeout
         self._pg_options = pg_options
-        self._by_axis: dict[object, _Entry] = {}
+        self._by_axis: dict[object, _Entry] = {}  # fast path: axis as given -> entry
+        self._live = _c10d.live_groups()
         self._created: list[_Entry] = []
         self._children: list[ProcessGroupMesh] = []
         self._closed = False
@@ -132,6 +148,7 @@ class ProcessGroupMesh:
     # ---------------------------------------------------------------- scope
 
     def __enter__(self) -> ProcessGroupMesh:
+        """Enter the scope (once); a closed mesh raises :class:`MeshClosedError`."""
         self._check_open()
         if self._entered:
             raise RuntimeError("this mesh's scope is already entered; a mesh is entered once")
@@ -337,14 +354,21 @@ class ProcessGroupMesh:
         ``indices_at_axis`` keeps only those positions of the axes (e.g. ``[0, -1]``
         for the first and last pipeline stages); ranks outside them get ``None``.
         Every member must request the group, in the same order as its peers.
+        If a member does not arrive within the mesh's timeout, this raises
+        :class:`GroupFormationError`; once every member asks again, it forms.
         """
         if indices_at_axis is None and backend is None and pg_options is None:
             try:
-                entry = self._by_axis.get(axis)
-            except TypeError:  # an unhashable axes list: take the long way
-                entry = None
-            if entry is not None and entry.alive and _plain_axes(axis):
-                if entry.group is None or _c10d.is_live(entry.group):
+                entry = self._by_axis[axis]
+            except (KeyError, TypeError):  # not cached yet, or an unhashable axes list
+                pass
+            else:
+                kind = axis.__class__
+                if (
+                    entry.alive
+                    and (kind is str or kind is int or _plain_axes(axis))
+                    and (entry.group is None or entry.group in self._live)
+                ):
                     return entry.group
         return self._get_group(axis, indices_at_axis, backend, pg_options)
 

@@ -196,7 +196,8 @@ def axes(
     >>> isinstance(axes(MeshLayout((2, 2, 2), names=("dp", "pp", "tp")), min_size=2), SearchStrategy)
     True
     """
-    top = _check_layout(layout).ndim if max_size is None else max_size
+    _check_layout(layout)
+    top = layout.ndim if max_size is None else max_size
     _check_count(min_size, "min_size", 0)
     _check_count(top, "max_size", min_size)
     if top > layout.ndim:
