@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["APPROACHES", "NaiveMesh", "build", "close", "total_groups"]
+__all__ = ["APPROACHES", "NaiveMesh", "build", "close", "preload", "total_groups"]
 
 Groups = list[dist.ProcessGroup | None]
 
@@ -68,6 +68,13 @@ class NaiveMesh:
             return self.create_group_along_axis(axis)
         group: dist.ProcessGroup | None = self.ranks_to_group[ranks]
         return group
+
+
+def preload() -> None:
+    """Import every approach's modules, so that no timed region pays for an import."""
+    import torch.distributed.device_mesh  # noqa: F401
+
+    import scopedmesh.mesh  # noqa: F401
 
 
 def build_scopedmesh(shape: Sequence[int], names: Sequence[str]) -> tuple[Any, Groups]:

@@ -22,9 +22,11 @@ def measure(
     """Seconds from a world barrier until this rank's groups along every axis are usable.
 
     "Usable" means a first ``all_reduce`` on each group has completed. The
-    approaches run one after another in ``order`` (each after a barrier); WORLD's
-    connections are warmed first so none of them pays for that.
+    approaches run one after another in ``order`` (each after a barrier); their
+    modules are imported and WORLD's connections warmed first, so none of them
+    pays for that.
     """
+    approaches.preload()
     warm = torch.ones(1)
     dist.all_reduce(warm)
     if warm.item() != world:

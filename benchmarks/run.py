@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -68,6 +69,8 @@ class Config:
     scaling_repeats: int
     real_repeats: int
     budget: float
+    long_run: float
+    min_repeats: int
     memory_max_seconds: float
     min_time: float
     timeit_repeat: int
@@ -88,6 +91,8 @@ def full_config() -> Config:
         scaling_repeats=3,
         real_repeats=5,
         budget=60.0,
+        long_run=10.0,
+        min_repeats=3,
         memory_max_seconds=15.0,
         min_time=0.2,
         timeit_repeat=5,
@@ -106,6 +111,8 @@ def quick_config() -> Config:
         scaling_repeats=1,
         real_repeats=1,
         budget=20.0,
+        long_run=10.0,
+        min_repeats=1,
         memory_max_seconds=5.0,
         min_time=0.002,
         timeit_repeat=1,
@@ -192,15 +199,30 @@ class Runner:
     def execute(self, job: Job, timeout: float) -> dict[str, Any]:
         case, impl, shape, names, extra, rep = job
         argv = [
-            "--case", case, "--impl", impl,
-            "--shape", ",".join(map(str, shape)), "--names", ",".join(names),
-            "--min-time", str(self.config.min_time),
-            "--timeit-repeat", str(self.config.timeit_repeat),
+            "--case",
+            case,
+            "--impl",
+            impl,
+            "--shape",
+            ",".join(map(str, shape)),
+            "--names",
+            ",".join(names),
+            "--min-time",
+            str(self.config.min_time),
+            "--timeit-repeat",
+            str(self.config.timeit_repeat),
             *extra,
-        ]  # fmt: skip
+        ]
         result = self.server.run(argv, timeout)
-        result = {"case": case, "impl": impl, "shape": list(shape), "names": list(names),
-                  "world": math.prod(shape), **result, "rep": rep}  # fmt: skip
+        result = {
+            "case": case,
+            "impl": impl,
+            "shape": list(shape),
+            "names": list(names),
+            "world": math.prod(shape),
+            **result,
+            "rep": rep,
+        }
         self.raw.append(result)
         if "error" in result:
             self.errors.append(result)
@@ -220,26 +242,32 @@ class Runner:
                 main_point = world in c.setup_worlds
                 impls = SETUP_APPROACHES if main_point else SCALING_APPROACHES
                 shape, names = shape_for(axes, world)
+                times: dict[str, list[float]] = {impl: [] for impl in impls}
                 for rep in range(c.repeats if main_point else c.scaling_repeats):
                     for impl in impls:
-                        if impl in stopped:
+                        done = times[impl]
+                        long = len(done) >= c.min_repeats and statistics.median(done) > c.long_run
+                        if impl in stopped or long:
                             continue
                         memory = impl == "scopedmesh" or rep == 0
                         extra: tuple[str, ...] = ("--memory-max-seconds", str(c.memory_max_seconds))
                         extra += ("--memory",) if memory else ()
-                        job: Job = ("setup", impl, shape, names, extra, rep)
-                        result = self.execute(job, timeout)
+                        result = self.execute(("setup", impl, shape, names, extra, rep), timeout)
                         killed = result.get("error") == "timeout"
+                        if "seconds" in result:
+                            done.append(result["seconds"])
                         if killed or result.get("seconds", 0.0) > c.budget:
                             stopped.add(impl)
+                            reason = f"a run took > {c.budget:g} s" + (
+                                " (killed)" if killed else ""
+                            )
                             self.stopped.append(
                                 {
                                     "case": "setup",
                                     "impl": impl,
                                     "axes": axes,
                                     "world": world,
-                                    "reason": f"a run took > {c.budget:g} s"
-                                    + (" (killed)" if killed else ""),
+                                    "reason": reason,
                                 }
                             )
 

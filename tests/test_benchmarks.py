@@ -8,6 +8,7 @@ No test asserts a time.
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
 import os
@@ -57,17 +58,18 @@ def _setup_runs(smoke: dict[str, Any], impl: str) -> list[dict[str, Any]]:
 def test_every_case_and_approach_ran_without_errors(smoke: dict[str, Any]) -> None:
     assert smoke["errors"] == []
     config = quick_config()
-    ran = {(r["case"], r["impl"], r["world"]) for r in smoke["raw"]}
+    ran = {(r["case"], r["impl"], r["world"], len(r["shape"])) for r in smoke["raw"]}
     for axes in config.axes:
         for world in config.setup_worlds:
             for impl in ("scopedmesh", "devicemesh", "naive"):
-                assert ("setup", impl, world) in ran
+                assert ("setup", impl, world, axes) in ran
     for world in config.scaling_worlds:
-        assert ("setup", "scopedmesh", world) in ran and ("setup", "devicemesh", world) in ran
+        for impl in ("scopedmesh", "devicemesh"):
+            assert ("setup", impl, world, 3) in ran
     for impl in ("scopedmesh", "devicemesh", "naive", "dict"):
-        assert ("lookup", impl, config.lookup_world) in ran
+        assert ("lookup", impl, config.lookup_world, 3) in ran
     for impl in ("scopedmesh", "devicemesh"):
-        assert ("submesh", impl, config.submesh_world) in ran
+        assert ("submesh", impl, config.submesh_world, 3) in ran
     (real,) = [r for r in smoke["raw"] if r["case"] == "real"]
     assert set(real["seconds"]) == {"scopedmesh", "devicemesh", "naive"}
     assert len(real["per_rank"]) == math.prod(config.real_shape)
@@ -138,3 +140,11 @@ def test_update_readme_replaces_only_between_markers(tmp_path: Path) -> None:
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
         report.update_readme(readme, "x")
+
+
+def test_docstring_examples() -> None:
+    from benchmarks import run
+
+    for module in (report, run):
+        failed, _ = doctest.testmod(module)
+        assert failed == 0, module.__name__
