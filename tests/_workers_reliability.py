@@ -83,10 +83,12 @@ def soak(rank: int, world_size: int, cycles: int, warmup: int) -> dict[str, Any]
     samples: list[tuple[int, int]] = []
     every = max(1, cycles // 20)
     start_rss = rss_kib()
+    start_keys = _store_keys()
     started = time.monotonic()
     for cycle in range(cycles):
         if cycle == warmup:
             start_rss = rss_kib()
+            start_keys = _store_keys()
             samples.append((cycle, start_rss))
         with ProcessGroupMesh(2, 2, names=NAMES, timeout=60) as mesh:
             with mesh.submesh("tp") as sub:
@@ -121,7 +123,15 @@ def soak(rank: int, world_size: int, cycles: int, warmup: int) -> dict[str, Any]
         "samples": samples,
         "seconds": time.monotonic() - started,
         "tags": len(_torch_world().tags_to_pg),
+        "store_keys_added": _store_keys() - start_keys,
     }
+
+
+def _store_keys() -> int:
+    """How many keys the world's TCPStore (hosted by rank 0) holds."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return int(c10d._get_default_store().num_keys())
 
 
 def _torch_world() -> Any:
@@ -958,83 +968,15 @@ def junk_strategy(st: Any) -> Any:
 
 # A fixed pool: the corpus draws from it with random.Random(seed), so a seed names a corpus.
 POOL: list[Any] = [
-    None,
-    True,
-    False,
-    0,
-    1,
-    -1,
-    2,
-    3,
-    7,
-    10**20,
-    -(10**20),
-    2**63,
-    1.0,
-    1.5,
-    -0.0,
-    float("nan"),
-    float("inf"),
-    1j,
-    "",
-    "dp",
-    "tp",
-    "pp",
-    "x",
-    "0",
-    "gloo",
-    "nccl",
-    "mpi",
-    "cuda",
-    "cpu",
-    "raise",
-    "wrap",
-    "clip",
-    b"dp",
-    [],
-    [0],
-    [0, 0],
-    [1, 0],
-    [-1],
-    [0, 1, 2],
-    [[0]],
-    [[0, 1], [1]],
-    [["dp"]],
-    (),
-    (0,),
-    (1,),
-    (0, 1),
-    (-1,),
-    (1, 1),
-    (-1, -1),
-    ("dp",),
-    ("dp", "dp"),
-    ("dp", "tp"),
-    (0, "dp"),
-    (True,),
-    (1.0,),
-    (None,),
-    {"dp": 0},
-    {},
-    {0: 0},
-    {"zz": 1},
-    {0, 1},
-    slice(None),
-    slice(0, 0),
-    slice(None, None, 0),
-    slice(0.5),
-    Ellipsis,
-    (Ellipsis, Ellipsis),
-    range(1),
-    range(0),
-    range(3, -1, -1),
-    timedelta(0),
-    timedelta(seconds=-1),
-    timedelta.max,
-    object(),
-    print,
-    ProcessGroupMesh,
-]
+    None, True, False, 0, 1, -1, 2, 3, 7, 10**20, -(10**20), 2**63, 1.0, 1.5, -0.0,
+    float("nan"), float("inf"), 1j, "", "dp", "tp", "pp", "x", "0", "gloo", "nccl", "mpi",
+    "cuda", "cpu", "raise", "wrap", "clip", b"dp", [], [0], [0, 0], [1, 0], [-1], [0, 1, 2],
+    [[0]], [[0, 1], [1]], [["dp"]], (), (0,), (1,), (0, 1), (-1,), (1, 1), (-1, -1), ("dp",),
+    ("dp", "dp"), ("dp", "tp"), (0, "dp"), (True,), (1.0,), (None,), {"dp": 0}, {}, {0: 0},
+    {"zz": 1}, {0, 1}, slice(None), slice(0, 0), slice(None, None, 0), slice(0.5), Ellipsis,
+    (Ellipsis, Ellipsis), range(1), range(0), range(3, -1, -1), timedelta(0),
+    timedelta(seconds=-1), timedelta.max, object(), print, ProcessGroupMesh,
+]  # fmt: skip
 
 
 def corpus(seed: int, count: int) -> Iterator[tuple[str, list[Any]]]:
