@@ -94,6 +94,8 @@ class ProcessGroupMesh:
         if not isinstance(eager, bool):
             raise TypeError(f"eager must be a bool, got {eager!r}")
         dims = shape[0] if len(shape) == 1 and isinstance(shape[0], Sequence) else shape
+        if not dims:
+            raise ValueError("shape must have at least one axis, e.g. ProcessGroupMesh(2, 4)")
         world_size = dist.get_world_size()
         layout = MeshLayout(dims, names, range(world_size) if ranks is None else ranks)  # type: ignore[arg-type]
         if ranks is not None:
@@ -144,6 +146,7 @@ class ProcessGroupMesh:
         self._children: list[ProcessGroupMesh] = []
         self._closed = False
         self._entered = False
+        self._slice_key: tuple[int, ...] | None = None  # the axes, for a sub-mesh made by mesh[...]
 
     # ---------------------------------------------------------------- scope
 
@@ -488,8 +491,20 @@ class ProcessGroupMesh:
         return child
 
     def __getitem__(self, axes: Axis | tuple[Axis, ...]) -> ProcessGroupMesh:
-        """``mesh["pp", "tp"]`` is ``mesh.submesh("pp", "tp")``."""
-        return self.submesh(*(axes if isinstance(axes, tuple) else (axes,)))
+        """``mesh["pp", "tp"]``: the open sub-mesh over those axes, made on first use.
+
+        Unlike :meth:`submesh`, which opens a new scope on every call, slicing
+        returns the same sub-mesh while it is open (as DeviceMesh slicing does),
+        so slicing in a loop does not pile up scopes.
+        """
+        items = axes if isinstance(axes, tuple) else (axes,)
+        key = self._layout.axes_indices(items) if items else ()
+        for child in self._children:
+            if child._slice_key == key:
+                return child
+        child = self.submesh(*items)
+        child._slice_key = key
+        return child
 
     def to_device_mesh(self, device_type: str, axes: Sequence[Axis] | None = None) -> DeviceMesh:
         """A torch ``DeviceMesh`` over this mesh's own groups, valid while the mesh is open."""

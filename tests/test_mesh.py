@@ -456,3 +456,25 @@ def test_closed_mesh_error_message() -> None:
     with pytest.raises(RuntimeError):
         mesh.create_groups()
     assert mesh.coordinate() == (0,)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_slicing_returns_the_open_submesh_until_it_closes() -> None:
+    with ProcessGroupMesh(1, 1, names=("dp", "tp")) as mesh:
+        first = mesh["tp"]
+        assert mesh["tp"] is first
+        assert mesh[1] is first  # the same axes, spelled differently
+        assert mesh["dp", "tp"] is not first
+        assert mesh.submesh("tp") is not first  # submesh() always opens a new scope
+        first.close()
+        again = mesh["tp"]
+        assert again is not first and not again.closed
+    assert again.closed
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_mesh_needs_at_least_one_axis() -> None:
+    with pytest.raises(TypeError, match="needs a shape"):
+        ProcessGroupMesh()
+    with pytest.raises(ValueError, match="at least one axis"):
+        ProcessGroupMesh([])
