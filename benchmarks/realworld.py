@@ -26,6 +26,7 @@ def measure(
     modules are imported and WORLD's connections warmed first, so none of them
     pays for that.
     """
+    torch.set_num_threads(1)  # as torchrun does for multi-process jobs, and as the other cases
     approaches.preload()
     warm = torch.ones(1)
     dist.all_reduce(warm)

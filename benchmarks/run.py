@@ -142,6 +142,7 @@ class Server:
     def _start(self) -> subprocess.Popen[str]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env["OMP_NUM_THREADS"] = "1"  # see worker.run_case: one torch thread per process
         return subprocess.Popen(
             [sys.executable, "-m", "benchmarks.worker", "--serve"],
             cwd=REPO,

@@ -37,8 +37,16 @@ __all__ = [
 
 # Names that read like the usual parallelism axes; drawn alongside generated ones.
 _COMMON_NAMES = ("dp", "pp", "tp", "cp", "ep", "fsdp", "replicate", "shard")
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# Identifier-like: a letter, then up to 7 letters, digits or '_'. Built from text()
+# rather than from_regex(), whose first use costs seconds and trips health checks.
 _NAME = st.one_of(
-    st.sampled_from(_COMMON_NAMES), st.from_regex(r"[a-z][a-z0-9_]{0,7}", fullmatch=True)
+    st.sampled_from(_COMMON_NAMES),
+    st.builds(
+        str.__add__,
+        st.sampled_from(_LETTERS),
+        st.text(alphabet=_LETTERS + "0123456789_", max_size=7),
+    ),
 )
 
 
