@@ -45,18 +45,21 @@ def main() -> None:
             plane = stage.get_group_along_axis(("pp", "tp"))  # made and owned by the sub-mesh
             sums["pp*tp"] = rank_sum(plane)
         # the plane's group is destroyed here; tp lives on with the mesh
-        where = ", ".join(f"{axis}={mesh.coordinate(axis)}" for axis in ("dp", "pp", "tp"))
+        coordinate = mesh.coordinate()
     # every group the mesh made is destroyed here; nothing else is touched
 
     sums["world"] = rank_sum(None)  # WORLD still works
-    text = " ".join(f"{axis}={total}" for axis, total in sums.items())
-    line = f"rank {rank} ({where}): rank sums {text}; mesh closed={mesh.closed}"
 
-    # Rank 0 prints every rank's line, in rank order.
-    lines = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(line, lines, dst=0)
-    if rank == 0:
-        print("\n".join(lines))
+    # Rank 0 prints a line per rank, in rank order (tensors only: no numpy needed).
+    facts = torch.tensor([*coordinate, *sums.values(), int(mesh.closed)], device=device)
+    table = [torch.empty_like(facts) for _ in range(dist.get_world_size())] if rank == 0 else None
+    dist.gather(facts, table, dst=0)
+    if table is not None:
+        for r, row in enumerate(table):
+            values = [int(v) for v in row.tolist()]
+            where = ", ".join(f"{axis}={c}" for axis, c in zip(("dp", "pp", "tp"), values))
+            text = " ".join(f"{axis}={total}" for axis, total in zip(sums, values[3:-1]))
+            print(f"rank {r} ({where}): rank sums {text}; mesh closed={bool(values[-1])}")
     dist.destroy_process_group()
 
 
