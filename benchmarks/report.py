@@ -70,6 +70,7 @@ def summarize(raw: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             entry = {**head, "ns_per_call": stat(r["ns_per_call"] for r in runs)}
             if case == "submesh":
                 entry["scope_ns_per_call"] = stat(r["scope_ns_per_call"] for r in runs)
+                entry["slice_ns_per_call"] = stat(r["slice_ns_per_call"] for r in runs)
                 entry["first_seconds"] = stat(r["first_seconds"] for r in runs)
             else:
                 entry["stmt"] = runs[0]["stmt"]
@@ -412,18 +413,23 @@ def render(results: dict[str, Any]) -> str:
             else:
                 row += [
                     fmt_ns(e["scope_ns_per_call"]["median"]),
+                    fmt_ns(e["slice_ns_per_call"]["median"]),
                     fmt_seconds(e["first_seconds"]["median"]),
                 ]
             rows.append([*row, str(e["ns_per_call"]["n"])])
         header = ["approach", f"time {unit} (median)", "min .. max", "÷ scopedmesh"]
-        header += ["statement"] if case == "lookup" else ["with close()", "first call"]
+        header += (
+            ["statement"] if case == "lookup" else ["with close()", "`mesh[...]`", "first call"]
+        )
         lines += _table([*header, "runs"], rows)
         if case == "submesh":
             lines += [
                 "",
                 "Per call: scopedmesh's `mesh.submesh('pp', 'tp')` (left open) vs DeviceMesh's "
                 "`mesh['pp', 'tp']`. *with close()* is a whole scope for scopedmesh, "
-                "`mesh.submesh('pp', 'tp').close()`. *first call* is each one's first sub-mesh.",
+                "`mesh.submesh('pp', 'tp').close()`; *`mesh[...]`* is slicing, which for "
+                "scopedmesh returns the open sub-mesh it made before. *first call* is each "
+                "one's first sub-mesh.",
             ]
     real = summary["real"]
     if real:

@@ -316,7 +316,8 @@ def case_submesh(
 
     ``ns_per_call`` is the issue's comparison: scopedmesh's ``mesh.submesh(...)``
     (left open) vs DeviceMesh's ``mesh[...]``. ``scope_ns_per_call`` is a whole
-    scope for scopedmesh, ``mesh.submesh(...)`` then ``.close()``.
+    scope for scopedmesh, ``mesh.submesh(...)`` then ``.close()``; ``slice_ns_per_call``
+    is its ``mesh[...]`` (which returns the open sub-mesh it made before, if any).
     """
     init_fake(world, world // 2)
     axes = tuple(names[-2:])
@@ -332,13 +333,14 @@ def case_submesh(
         scope_ns, _ = ns_per_call(
             "mesh.submesh(*axes).close()", namespace, min_time=min_time, repeat=repeat
         )
+        slice_ns, _ = ns_per_call("mesh[axes]", namespace, min_time=min_time, repeat=repeat)
     elif impl == "devicemesh":
         start = time.perf_counter()
         first = handle[axes]
         first_seconds = time.perf_counter() - start
         sub_shape = tuple(first.shape)
         ns, number = ns_per_call("mesh[axes]", namespace, min_time=min_time, repeat=repeat)
-        scope_ns = ns
+        scope_ns = slice_ns = ns
     else:
         raise ValueError(f"case submesh has no approach {impl!r}")
     if tuple(sub_shape) != tuple(shape[-2:]):
@@ -348,6 +350,7 @@ def case_submesh(
         "first_seconds": first_seconds,
         "ns_per_call": ns,
         "scope_ns_per_call": scope_ns,
+        "slice_ns_per_call": slice_ns,
         "loops": number,
     }
 

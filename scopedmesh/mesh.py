@@ -99,9 +99,12 @@ class ProcessGroupMesh:
         world_size = dist.get_world_size()
         layout = MeshLayout(dims, names, range(world_size) if ranks is None else ranks)  # type: ignore[arg-type]
         if ranks is not None:
-            outside = [r for r in layout.ranks if r >= world_size]
-            if outside:
-                raise ValueError(f"ranks {outside} are outside the world of {world_size} ranks")
+            largest = max(ranks[0], ranks[-1]) if isinstance(ranks, range) else max(ranks)
+            if largest >= world_size:
+                raise ValueError(
+                    f"ranks must lie in the world of {world_size} ranks (0..{world_size - 1}), "
+                    f"got rank {largest}"
+                )
         self._init(
             layout,
             parent=None,

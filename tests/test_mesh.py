@@ -152,7 +152,7 @@ def test_custom_ranks_subset_and_outsiders(world: list[dict[str, Any]]) -> None:
             assert "not in the mesh's ranks" in f["outside"]
         assert f["beyond_world"].startswith("ValueError: ")
         assert "[8]" in f["beyond_world"]
-        assert "outside the world of 8 ranks" in f["beyond_world"]
+        assert "must lie in the world of 8 ranks" in f["beyond_world"]
 
 
 # ------------------------------------------------------------------- lifecycle
