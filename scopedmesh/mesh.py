@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
@@ -127,16 +127,19 @@ class ProcessGroupMesh:
         backend: str | None,
         timeout: timedelta | None,
         pg_options: Any,
+        place: tuple[int, tuple[int, ...]] | None = None,
     ) -> None:
-        rank = dist.get_rank()
-        if rank not in layout:
-            raise ValueError(
-                f"this process (global rank {rank}) is not in the mesh's ranks; build the "
-                "mesh only on the ranks it lists"
-            )
+        """Set up a scope; ``place`` is this rank and its coordinate, when known."""
+        if place is None:
+            rank = dist.get_rank()
+            if rank not in layout:
+                raise ValueError(
+                    f"this process (global rank {rank}) is not in the mesh's ranks; build the "
+                    "mesh only on the ranks it lists"
+                )
+            place = (rank, layout.unravel(rank))
         self._layout = layout
-        self._rank = rank
-        self._coord = layout.unravel(rank)
+        self._rank, self._coord = place
         self._parent = parent
         # The group cache is shared by a mesh and all its sub-meshes: one group per key.
         self._registry: dict[GroupKey, _Entry] = {} if parent is None else parent._registry
@@ -144,7 +147,9 @@ class ProcessGroupMesh:
         self._timeout = timeout
         self._pg_options = pg_options
         self._by_axis: dict[object, _Entry] = {}  # fast path: axis as given -> entry
-        self._live = _c10d.live_groups()
+        self._live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
+        # Sub-layouts and coordinates by the axes asked for: a sub-mesh costs O(1) when repeated.
+        self._planes: dict[tuple[Axis, ...], tuple[MeshLayout, tuple[int, ...]]] = {}
         self._created: list[_Entry] = []
         self._children: list[ProcessGroupMesh] = []
         self._closed = False
@@ -481,7 +486,13 @@ class ProcessGroupMesh:
         self._check_open()
         if not axes:
             raise TypeError("submesh() needs at least one axis")
-        layout = self._layout.sub(self._coord, axes)
+        plane = self._planes.get(axes) if _plain_axes(axes) else None
+        if plane is None:
+            chosen = self._layout.axes_indices(axes)
+            plane = (self._layout.sub(self._coord, axes), tuple(self._coord[a] for a in chosen))
+            if _plain_axes(axes):
+                self._planes[axes] = plane
+        layout, coord = plane
         child = object.__new__(ProcessGroupMesh)
         child._init(
             layout,
@@ -489,6 +500,7 @@ class ProcessGroupMesh:
             backend=self._backend,
             timeout=self._timeout,
             pg_options=self._pg_options,
+            place=(self._rank, coord),
         )
         self._children.append(child)
         return child
