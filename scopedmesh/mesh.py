@@ -154,7 +154,7 @@ class ProcessGroupMesh:
         self._children: list[ProcessGroupMesh] = []
         self._closed = False
         self._entered = False
-        self._slice_key: tuple[int, ...] | None = None  # the axes, for a sub-mesh made by mesh[...]
+        self._slices: dict[tuple[int, ...], ProcessGroupMesh] = {}  # made by mesh[...], by axes
 
     # ---------------------------------------------------------------- scope
 
@@ -216,6 +216,7 @@ class ProcessGroupMesh:
             self._created.clear()
             self._by_axis.clear()
             self._children.clear()
+            self._slices.clear()
             if self._parent is not None and self in self._parent._children:
                 self._parent._children.remove(self)
         if errors:
@@ -514,11 +515,9 @@ class ProcessGroupMesh:
         """
         items = axes if isinstance(axes, tuple) else (axes,)
         key = self._layout.axes_indices(items) if items else ()
-        for child in self._children:
-            if child._slice_key == key:
-                return child
-        child = self.submesh(*items)
-        child._slice_key = key
+        child = self._slices.get(key)
+        if child is None or child._closed:
+            child = self._slices[key] = self.submesh(*items)
         return child
 
     def to_device_mesh(self, device_type: str, axes: Sequence[Axis] | None = None) -> DeviceMesh:
