@@ -271,7 +271,7 @@ def live_groups() -> Mapping[dist.ProcessGroup, object]:
 
 def is_live(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is still registered with torch (not yet destroyed)."""
-    return dist.is_initialized() and group in c10d._world.pg_map
+    return group in live_groups()  # empty when torch.distributed is not initialised
 
 
 def destroy(group: dist.ProcessGroup) -> bool:

@@ -423,7 +423,7 @@ class ProcessGroupMesh:
             entry = self._registry.get((ranks, backend_name)) or self._make(
                 ranks, backend_name, options, self._describe(axis, indices)
             )
-            if entry.group is not None and not _c10d.is_live(entry.group):
+            if entry.group is not None and entry.group not in self._live:
                 raise RuntimeError(
                     f"the group along {self._describe(axis, indices)} over ranks {list(ranks)} "
                     "was destroyed outside this mesh (by torch.distributed.destroy_process_group); "
