@@ -1,73 +1,60 @@
-"""The three ways to get this rank's group along every axis, measured side by side.
+"""The approaches measured side by side, each giving this rank's group along every axis.
 
-- ``scopedmesh``: :class:`scopedmesh.ProcessGroupMesh`, groups made on first request
-  by their members only.
-- ``devicemesh``: ``torch.distributed.device_mesh.init_device_mesh``.
-- ``naive``: :class:`NaiveMesh`, the classic approach of ColossalAI's
-  ``ProcessGroupMesh``: every rank calls ``dist.new_group(ranks)`` for every group
-  of every axis, and caches all of them by their ranks.
+``scopedmesh`` makes a group on first request, by its members only; ``devicemesh``
+is torch's ``init_device_mesh``; ``naive`` is ColossalAI's classic
+``ProcessGroupMesh``: every rank calls ``new_group`` for every group of every axis
+and caches them all by their ranks; ``floor`` is the bare floor,
+``new_group(ranks, use_local_synchronization=True)`` for the same groups the mesh
+makes, and nothing else.
 
-Each ``build_*`` function returns a handle (kept alive by the caller) and this
-rank's groups along each axis, in axis order. It assumes ``torch.distributed`` is
-initialised. Nothing here is timed; the callers time it.
+>>> members((2, 2, 2), 5, 0), members((2, 2, 2), 5, 2)
+([1, 5], [4, 5])
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["APPROACHES", "NaiveMesh", "build", "close", "preload", "total_groups"]
+__all__ = ["APPROACHES", "NaiveMesh", "build", "close", "measure", "members", "preload"]
 
-Groups = list[dist.ProcessGroup | None]
+APPROACHES = ("scopedmesh", "devicemesh", "naive", "floor")
+
+
+def members(shape: Sequence[int], rank: int, axis: int) -> list[int]:
+    """The C-order group of ``rank`` along ``axis``: a reference independent of scopedmesh."""
+    stride = math.prod(shape[axis + 1 :])
+    base = rank - (rank // stride) % shape[axis] * stride
+    return [base + i * stride for i in range(shape[axis])]
 
 
 class NaiveMesh:
-    """Every rank creates every group along an axis (ColossalAI ``ProcessGroupMesh`` style).
-
-    Written for the benchmark from the public API only: C-order ranks, ``dist.new_group``
-    called by all ranks for every group, and a ``ranks -> group`` cache holding every
-    group (non-members cache torch's non-member marker, as ColossalAI does).
-    """
+    """Every rank creates every group along an axis; a lookup recomputes this rank's ranks."""
 
     def __init__(self, shape: Sequence[int]) -> None:
-        self.shape = tuple(shape)
-        self.rank = dist.get_rank()
-        strides = [1] * len(self.shape)
-        for i in range(len(self.shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * self.shape[i + 1]
-        self.strides = tuple(strides)
+        self.shape, self.rank = tuple(shape), dist.get_rank()
+        self.strides = tuple(math.prod(shape[a + 1 :]) for a in range(len(shape)))
         self.coord = tuple((self.rank // s) % n for s, n in zip(self.strides, self.shape))
-        self.ranks_to_group: dict[tuple[int, ...], Any] = {}
+        self.ranks_to_group: dict[tuple[int, ...], Any] = {}  # non-members cache torch's marker
 
     def _ranks_along(self, coord: Sequence[int], axis: int) -> tuple[int, ...]:
         base = sum(c * s for a, (c, s) in enumerate(zip(coord, self.strides)) if a != axis)
-        step = self.strides[axis]
-        return tuple(base + i * step for i in range(self.shape[axis]))
+        return tuple(base + i * self.strides[axis] for i in range(self.shape[axis]))
 
-    def create_group_along_axis(self, axis: int) -> dist.ProcessGroup | None:
-        """Every rank calls ``new_group`` for every group along ``axis``; keep this rank's."""
-        mine: dist.ProcessGroup | None = None
-        others = [range(n) if a != axis else range(1) for a, n in enumerate(self.shape)]
-        for coord in itertools.product(*others):
-            ranks = self._ranks_along(coord, axis)
-            group = dist.new_group(list(ranks))
-            self.ranks_to_group[ranks] = group
-            if self.rank in ranks:
-                mine = group
-        return mine
-
-    def get_group_along_axis(self, axis: int) -> dist.ProcessGroup | None:
-        """Recompute this rank's ranks along ``axis`` and look the group up (ColossalAI style)."""
+    def get_group_along_axis(self, axis: int) -> Any:
         ranks = self._ranks_along(self.coord, axis)
         if ranks not in self.ranks_to_group:
-            return self.create_group_along_axis(axis)
-        group: dist.ProcessGroup | None = self.ranks_to_group[ranks]
-        return group
+            others = [range(n) if a != axis else range(1) for a, n in enumerate(self.shape)]
+            for coord in itertools.product(*others):
+                group_ranks = self._ranks_along(coord, axis)
+                self.ranks_to_group[group_ranks] = dist.new_group(list(group_ranks))
+        return self.ranks_to_group[ranks]
 
 
 def preload() -> None:
@@ -77,51 +64,61 @@ def preload() -> None:
     import scopedmesh.mesh  # noqa: F401
 
 
-def build_scopedmesh(shape: Sequence[int], names: Sequence[str]) -> tuple[Any, Groups]:
-    """A scopedmesh mesh and this rank's group along each axis."""
-    from scopedmesh.mesh import ProcessGroupMesh
+def build(impl: str, shape: Sequence[int], names: Sequence[str]) -> tuple[Any, list[Any]]:
+    """A handle to keep alive and this rank's group along each axis, made by ``impl``."""
+    if impl == "scopedmesh":
+        from scopedmesh.mesh import ProcessGroupMesh
 
-    mesh = ProcessGroupMesh(*shape, names=names)
-    return mesh, [mesh.get_group_along_axis(name) for name in names]
+        mesh = ProcessGroupMesh(*shape, names=names)
+        return mesh, [mesh.get_group_along_axis(name) for name in names]
+    if impl == "devicemesh":
+        from torch.distributed.device_mesh import init_device_mesh
 
-
-def build_devicemesh(shape: Sequence[int], names: Sequence[str]) -> tuple[Any, Groups]:
-    """A torch DeviceMesh and this rank's group along each axis."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
-    return mesh, [mesh.get_group(name) for name in names]
-
-
-def build_naive(shape: Sequence[int], names: Sequence[str]) -> tuple[Any, Groups]:
-    """A :class:`NaiveMesh` and this rank's group along each axis (all groups made)."""
-    mesh = NaiveMesh(shape)
-    return mesh, [mesh.get_group_along_axis(axis) for axis in range(len(shape))]
-
-
-APPROACHES: dict[str, Callable[[Sequence[int], Sequence[str]], tuple[Any, Groups]]] = {
-    "scopedmesh": build_scopedmesh,
-    "devicemesh": build_devicemesh,
-    "naive": build_naive,
-}
-
-
-def build(impl: str, shape: Sequence[int], names: Sequence[str]) -> tuple[Any, Groups]:
-    """Build with approach ``impl``; a ValueError names the known approaches."""
-    try:
-        builder = APPROACHES[impl]
-    except KeyError:
-        raise ValueError(f"unknown approach {impl!r}; known: {sorted(APPROACHES)}") from None
-    return builder(shape, names)
+        device_mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+        return device_mesh, [device_mesh.get_group(name) for name in names]
+    axes = range(len(shape))
+    if impl == "naive":
+        naive = NaiveMesh(shape)
+        return naive, [naive.get_group_along_axis(axis) for axis in axes]
+    if impl == "floor":
+        rank = dist.get_rank()
+        floor = [
+            dist.new_group(members(shape, rank, a), use_local_synchronization=True) for a in axes
+        ]
+        return floor, floor
+    raise ValueError(f"unknown approach {impl!r}; known: {APPROACHES}")
 
 
 def close(impl: str, handle: Any) -> None:
     """Release what ``build`` made, where the approach can (DeviceMesh never destroys)."""
     if impl == "scopedmesh":
         handle.close()
+    for group in handle if impl == "floor" else ():
+        dist.destroy_process_group(group)
 
 
-def total_groups(shape: Sequence[int]) -> int:
-    """How many groups exist along all single axes of ``shape`` (what ``naive`` creates)."""
-    world = math.prod(shape)
-    return sum(world // n for n in shape)
+def measure(rank: int, world: int, shape: Sequence[int], names: Sequence[str], order: Sequence[str]) -> dict[str, float]:  # fmt: skip
+    """Case (d) on each rank: seconds from a barrier until every group's first all_reduce is done.
+
+    The approaches run one after another in ``order``, each after a barrier;
+    their modules are imported and WORLD's connections warmed first.
+    """
+    torch.set_num_threads(1)
+    preload()
+    dist.all_reduce(torch.ones(1))
+    seconds: dict[str, float] = {}
+    handles = []
+    for impl in order:
+        dist.barrier()
+        start = time.perf_counter()
+        handles.append((impl, build(impl, shape, names)))
+        sums = [torch.ones(1) for _ in shape]
+        for value, group in zip(sums, handles[-1][1][1]):
+            dist.all_reduce(value, group=group)
+        seconds[impl] = time.perf_counter() - start
+        if [v.item() for v in sums] != [float(n) for n in shape]:
+            raise RuntimeError(f"{impl}: all_reduce sums {sums}, expected group sizes {shape}")
+    dist.barrier()
+    for impl, (handle, _) in reversed(handles):
+        close(impl, handle)
+    return seconds
