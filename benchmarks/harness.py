@@ -7,13 +7,10 @@
 from __future__ import annotations
 
 import functools
-import json
+import multiprocessing
 import os
-import select
 import signal
 import statistics
-import sys
-import tempfile
 import time
 import timeit
 import traceback
@@ -43,68 +40,52 @@ def init_fake(world: int, rank: int) -> None:
     dist.init_process_group("fake", store=HashStore(), rank=rank, world_size=world)
 
 
-def run_forked(fn: Callable[..., dict[str, Any]], kwargs: dict[str, Any], timeout: float) -> Any:
-    """``fn(**kwargs)`` in a forked child (torch imported, no world); its JSON-able result.
+def _child(pipe: Any, fn: Callable[..., dict[str, Any]], kwargs: dict[str, Any]) -> None:
+    os.setpgid(0, 0)  # a group of its own: a kill on timeout takes everything it started
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # errors are reported, not printed
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the processes it starts
+    torch.set_num_threads(1)
+    try:
+        pipe.send({**fn(**kwargs), "torch_threads": torch.get_num_threads()})
+    except BaseException:
+        pipe.send({"error": "exception", "stderr": traceback.format_exc()})
 
-    torch allows one world per process; a fork costs milliseconds, importing
-    torch seconds. The child leads its own process group, so on timeout it is
-    killed with everything it started. Like ``torchrun``, it runs torch on one
-    thread: DeviceMesh's OpenMP threads, one per core, spun against other work on
-    this small shared machine and its figures swung twentyfold.
+
+def run_forked(fn: Callable[..., dict[str, Any]], kwargs: dict[str, Any], timeout: float) -> Any:
+    """``fn(**kwargs)`` in a forked child (torch imported, no world), killed after ``timeout``.
+
+    torch allows one world per process; a fork costs milliseconds, importing torch
+    seconds. The child runs torch on one thread, as ``torchrun`` does: with a thread
+    per core, on a small shared machine, DeviceMesh's figures swung twentyfold.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    reader, writer = os.pipe()
-    log = tempfile.TemporaryFile()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        os.setpgid(0, 0)
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        os.environ["OMP_NUM_THREADS"] = "1"  # for the processes it starts
-        torch.set_num_threads(1)
-        try:
-            payload = json.dumps({**fn(**kwargs), "torch_threads": torch.get_num_threads()})
-        except BaseException:
-            payload = json.dumps({"error": "exception", "stderr": traceback.format_exc()})
-        os.write(writer, payload.encode())  # a pipe write blocks until the parent reads it all
-        os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader, "rb") as pipe:
-        ready = select.select([pipe], [], [], timeout)[0]
-        data = pipe.read() if ready else b""
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(writer, fn, kwargs))
+    child.start()
+    writer.close()
+    ready = reader.poll(timeout)
     if not ready:
         with suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    status = os.waitpid(pid, 0)[1]
-    log.seek(0)
-    tail = log.read().decode(errors="replace")[-3000:]
-    log.close()
-    if not ready:
-        return {"error": "timeout", "timeout": timeout, "stderr": tail}
+            os.killpg(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
     try:
-        return json.loads(data)
-    except ValueError:
-        return {"error": f"child ended with status {status}", "stderr": tail}
+        result = reader.recv() if ready else {"error": "timeout", "timeout": timeout}
+    except EOFError:
+        result = None
+    child.join()
+    return result or {"error": f"the run ended with exit code {child.exitcode}"}
 
 
 @contextmanager
 def count_group_creations(*, keep_members: bool = False) -> Iterator[dict[str, Any]]:
-    """Calls of torch's ``_new_process_group_helper``, their time, and groups registered.
-
-    Every group creation goes through the helper: public ``new_group`` (on every
-    calling rank, members or not) and scopedmesh's named groups alike.
-    ``groups_registered`` is the growth of torch's ``pg_map`` (this rank's groups).
-    The wrapper adds about half a microsecond per call; ``__wrapped__`` shows
-    scopedmesh the helper's own parameters. With ``keep_members`` it keeps each
-    call's member list, for :func:`copy_seconds`.
+    """Calls of torch's ``_new_process_group_helper``, which every group creation goes
+    through, their time, the growth of ``pg_map`` and (``keep_members``) the member lists.
     """
     counts: dict[str, Any] = {"helper_calls": 0, "helper_seconds": 0.0, "members": []}
     original = c10d._new_process_group_helper
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        counts["helper_calls"] += 1
+        counts["helper_calls"] += 1  # wraps() shows scopedmesh the helper's own parameters
         if keep_members:
             counts["members"].append(args[2] if len(args) > 2 else kwargs["global_ranks_in_group"])
         start = time.perf_counter()
@@ -123,12 +104,7 @@ def count_group_creations(*, keep_members: bool = False) -> Iterator[dict[str, A
 
 
 def copy_seconds(member_lists: Iterable[Any]) -> float:
-    """torch's per-member copy of these member lists, timed alone.
-
-    Inside ``_new_process_group_helper`` torch assigns each group's member list
-    to its backend options (``global_ranks_in_group``); pybind converts it element
-    by element into a ``std::vector``, O(group size) for every group made.
-    """
+    """torch's per-member copy in the helper, alone: pybind converting each list to C++."""
     options = c10d._DistributedBackendOptions()
     start = time.perf_counter()
     for members in member_lists:

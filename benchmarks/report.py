@@ -18,10 +18,9 @@ from benchmarks.harness import stat
 __all__ = ["render", "stat", "summarize", "targets", "update_readme"]
 
 BEGIN, END = "<!-- BEGIN RESULTS -->", "<!-- END RESULTS -->"
-LABELS = {"scopedmesh": "scopedmesh", "devicemesh": "DeviceMesh", "naive": "naive", "dict": "dict"}
-LABELS["floor"] = "floor"
-PAIR = ("scopedmesh", "devicemesh")
-KEEP = {"stmt", "requested_groups", "all_groups"}  # kept as the first run's value, not a stat
+LABELS = {i: i for i in ("scopedmesh", "devicemesh", "naive", "dict", "floor")}
+LABELS["devicemesh"], PAIR = "DeviceMesh", ("scopedmesh", "devicemesh")
+KEEP = {"stmt", "requested_groups"}  # kept as the first run's value, not a stat
 Summary = dict[str, list[dict[str, Any]]]
 
 
@@ -43,7 +42,6 @@ def summarize(raw: Iterable[dict[str, Any]]) -> Summary:
                 e.update({key: stat(values)} if {type(v) for v in values} <= {int, float} else {})
         if case == "setup":
             e["own_seconds"] = stat(r["seconds"] - r["helper_seconds"] for r in runs)
-            e["warnings"] = sorted({w for r in runs for w in r["warnings"]})
         summary[case].append(e)
     for entries in summary.values():
         entries.sort(key=lambda e: (e["axes"], e["world"], list(LABELS).index(e["impl"])))
@@ -89,7 +87,7 @@ def targets(summary: Summary, config: Any) -> list[dict[str, Any]]:
             text = f"{what} grows ≤ {limit:g}x from {_pow(lo)} to {_pow(hi)}, {axes} axes"
             add("a", text, growth, limit, "{:.2f}x")
         runs = [e for e in s if e["impl"] == "scopedmesh" and e["axes"] == axes]
-        exact = [e["helper_calls"]["max"] == e["groups_registered"]["max"] == e["requested_groups"] == e["helper_calls"]["min"] for e in runs]  # fmt: skip
+        exact = [fmt_count(e["helper_calls"]) == fmt_count(e["groups_registered"]) == str(axes) for e in runs]  # fmt: skip
         calls = "/".join(sorted({fmt_count(e["helper_calls"]) for e in runs}))
         text = f"exactly one new_group call per requested group, {axes} axes"
         add("a", text, float(all(exact)) if runs else None, 1, f"{calls} calls for {axes} groups")
@@ -100,14 +98,14 @@ def targets(summary: Summary, config: Any) -> list[dict[str, Any]]:
     add("b", "cached lookup ≤ 250 ns", ns, 250, "{:.0f} ns")
     add("b", "cached lookup ≥ 4x faster than DeviceMesh.get_group", _div(dm_ns, ns), 4, "{:.1f}x")
     ns, dm_ns = (_med(summary["submesh"], "ns_per_call", impl=i) for i in PAIR)
-    text = f"sub-mesh ≥ 1000x faster than DeviceMesh slicing at {_pow(config.submesh_world)}"
+    text = f"sub-mesh ≥ 1000x faster than DeviceMesh slicing at {_pow(config.world)}"
     add("c", text, _div(dm_ns, ns), 1000, "{:,.0f}x")
-    sm_s, dm_s, floor = (_med(summary["real"], impl=i) for i in ("scopedmesh", "devicemesh", "floor"))  # fmt: skip
+    sm_s, dm_s, floor = (_med(summary["real"], impl=i) for i in (*PAIR, "floor"))
     world = f"real gloo world of {math.prod(config.real_shape)}"
     add("d", f"{world}: scopedmesh within 1.2x of the floor", _div(sm_s, floor), 1.2, "{:.2f}x")
     add("d", f"{world}: ≥ 2x faster than init_device_mesh", _div(dm_s, sm_s), 2, "{:.2f}x")
     cold = _med(summary["coldstart"], impl="scopedmesh")
-    text = f"cold start: import, first mesh and its groups ≤ 5 ms at {_pow(config.cold_world)}"
+    text = f"cold start: import, first mesh and its groups ≤ 5 ms at {_pow(config.world)}"
     add("f", text, cold, 0.005, fmt_seconds(cold or 0))
     return out
 
@@ -136,6 +134,24 @@ def _pow(n: int) -> str:
 def _x(a: float | None, b: float | None, digits: int = 0) -> str:
     ratio = _div(a, b)
     return "—" if ratio is None else f"{ratio:,.{digits}f}x"
+
+
+# (b), (c), (d), (f): case, title, figure, ratios to (approach, digits), more (header, key, format)
+# fmt: off
+TABLES: tuple[tuple[str, str, str, dict[str, int], list[tuple[str, str, Callable[[Any], str]]]], ...] = (
+    ("lookup", "(b) cached lookup of the `tp` group at world {p}", "ns_per_call", {"scopedmesh": 1},
+     [("statement", "stmt", "`{}`".format)]),
+    ("submesh", "(c) sub-mesh over (`pp`, `tp`) at world {p}", "ns_per_call", {"scopedmesh": 1},
+     [("with close()", "scope_ns_per_call", fmt_ns), ("`mesh[...]`", "slice_ns_per_call", fmt_ns),
+      ("first call", "first_seconds", fmt_seconds)]),
+    ("real", "(d) real processes: gloo world of {w}, shape {s}", "seconds",
+     {"scopedmesh": 2, "floor": 2}, []),
+    ("coldstart", "(f) cold start at world {p}", "seconds", {"floor": 1},
+     [(head, f"{key}_seconds", fmt_seconds) for head, key in (("import", "import"),
+      ("construction", "construct"), ("group 1", "group1"), ("group 2", "group2"),
+      ("group 3", "group3"))]),
+)
+# fmt: on
 
 
 def _cells(e: dict[str, Any], field: str, fmt: Callable[[float], str]) -> list[str]:
@@ -189,38 +205,19 @@ def render(results: dict[str, Any]) -> str:
     if s and not results["stopped"]:
         budget = meta["config"]["budget"]
         lines += ["", f"No series stopped: every run finished within the {budget:g} s budget."]
-    for case, title, more in (
-        ("lookup", "(b) cached lookup of the `tp` group", "statement"),
-        ("submesh", "(c) sub-mesh over (`pp`, `tp`)", "with close()|`mesh[...]`|first call"),
-    ):
-        rows, entries = [], summary[case]
+    for case, title, field, ratios, more in TABLES:
+        entries, fmt, rows = summary[case], fmt_ns if field == "ns_per_call" else fmt_seconds, []
         for e in entries:
-            ratio = _x(e["ns_per_call"]["median"], _med(entries, "ns_per_call", **sm), 1)
-            rows.append([*_cells(e, "ns_per_call", fmt_ns), ratio])
-            if case == "lookup":
-                rows[-1] += [f"`{e['stmt']}`"]
-            else:
-                rows[-1] += [fmt_ns(e[k]["median"]) for k in ("scope_ns_per_call", "slice_ns_per_call")]  # fmt: skip
-                rows[-1] += [fmt_seconds(e["first_seconds"]["median"])]
-            rows[-1] += [str(e["ns_per_call"]["n"])]
-        world = f" at world {_pow(entries[0]['world'])}" if entries else ""
-        head = f"approach|time per call (median)|min .. max|÷ scopedmesh|{more}|runs"
-        lines += _section(title + world, head, rows)
-    for case, title in (("real", "(d) real processes: gloo world of"), ("coldstart", "(f) cold start at world")):  # fmt: skip
-        rows, entries = [], summary[case]
-        floor, keys = _med(entries, impl="floor"), ("import", "construct", "group1", "group2", "group3")  # fmt: skip
-        for e in entries:
-            rows.append(_cells(e, "seconds", fmt_seconds))
-            if case == "real":
-                rows[-1] += [_x(e["seconds"]["median"], _med(entries, **sm), 2)]
-            else:
-                rows[-1] += [fmt_seconds(e[k + "_seconds"]["median"]) for k in keys]
-            rows[-1] += [_x(e["seconds"]["median"], floor, 2), str(e["seconds"]["n"])]
+            rows.append(_cells(e, field, fmt))
+            rows[-1] += [_x(e[field]["median"], _med(entries, field, impl=i), d) for i, d in ratios.items()]  # fmt: skip
+            rows[-1] += [f(e[k]["median"] if isinstance(e[k], dict) else e[k]) for _, k, f in more]
+            rows[-1] += [str(e[field]["n"])]
+        head = ["approach", f"time{' per call' * (fmt is fmt_ns)} (median)", "min .. max"]
+        head += [f"÷ {LABELS[i]}" for i in ratios] + [h for h, _, _ in more] + ["runs"]
         if entries:
-            where = f" {entries[0]['world']}, shape {'x'.join(map(str, entries[0]['shape']))}"
-            where = where if case == "real" else f" {_pow(entries[0]['world'])}"
-            more = "÷ scopedmesh" if case == "real" else "import|construction|group 1|group 2|group 3"  # fmt: skip
-            lines += _section(title + where, f"approach|time (median)|min .. max|{more}|÷ floor|runs", rows)  # fmt: skip
+            e = entries[0]
+            where = title.format(p=_pow(e["world"]), w=e["world"], s="x".join(map(str, e["shape"])))
+            lines += _section(where, "|".join(head), rows)
     verdict = {True: "met", False: "**missed**", None: "not measured"}
     rows = [[t["case"], t["target"], t["figure"], "—" if t["diagnostic"] else verdict[t["met"]]] for t in results["targets"]]  # fmt: skip
     lines += _section("Targets", "case|target|figure|verdict", rows)

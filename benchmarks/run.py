@@ -1,13 +1,10 @@
-"""Run every benchmark case, print the tables and write the results as JSON.
+"""Run the benchmark cases, print the tables, write the results as JSON.
 
-    python -m benchmarks.run            # the full harness (about 10-15 minutes)
+    python -m benchmarks.run            # everything (about 10-15 minutes)
     python -m benchmarks.run --quick    # tiny worlds, one run each (under a minute)
 
-Each run is a fresh process (a fork of this one, torch imported), because torch
-allows one world per process. Approaches are interleaved run by run, so a change
-in load hits them alike; each figure is the median of the runs, with min and max.
-A setup series (one approach, one shape) stops growing the world once a run
-exceeds ``--budget`` seconds, and says where.
+Each run is a fresh process; approaches are interleaved run by run, so a change
+in load hits them alike. ``benchmarks/README.md`` describes the method.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import torch
 from benchmarks import cases, report
 from benchmarks.harness import run_forked
 
-__all__ = ["Config", "full_config", "main", "quick_config", "run_all", "shape_for"]
+__all__ = ["Config", "main", "quick_config", "run_all", "shape_for"]
 
 README = Path(__file__).resolve().parent / "README.md"
 NAMES = {3: ("dp", "pp", "tp"), 4: ("dp", "pp", "cp", "tp")}
@@ -51,20 +48,18 @@ def shape_for(axes: int, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class Config:
-    """What to run (times in seconds); :func:`full_config` and :func:`quick_config` are presets."""
+    """What to run (times in seconds): the full run; :func:`quick_config` is the smoke run."""
 
     setup_worlds: tuple[int, ...] = (2**10, 2**13, 2**16, 2**20)
     scaling_worlds: tuple[int, ...] = tuple(2**k for k in range(10, 21))
-    lookup_world: int = 2**16
-    submesh_world: int = 2**16
-    cold_world: int = 2**16
+    world: int = 2**16  # of (b), (c) and (f)
     real_shape: tuple[int, ...] = (2, 2, 2)
     repeats: int = 5  # runs per figure; 3 for the worlds only (e) needs
     scaling_repeats: int = 3
     budget: float = 60.0  # a setup series stops after a run this long
     long_run: float = 10.0  # ... and a point after min_repeats runs with this median
     min_repeats: int = 3
-    memory_max_seconds: float = 15.0  # no memory trace after a longer timed pass
+    memory_max: float = 15.0  # no memory trace after a longer timed pass
     min_time: float = 0.2  # timeit: seconds per repeat
     timeit_repeat: int = 5
     real_timeout: float = 300.0
@@ -73,15 +68,13 @@ class Config:
     quick: bool = False
 
 
-def full_config() -> Config:
-    return Config()
-
-
 def quick_config() -> Config:
-    tiny = {"setup_worlds": (2**8, 2**9), "scaling_worlds": (2**8, 2**9), "real_shape": (2, 1, 1)}
-    tiny |= {"lookup_world": 2**8, "submesh_world": 2**8, "cold_world": 2**8, "budget": 20.0}
-    few = {"repeats": 1, "scaling_repeats": 1, "min_repeats": 1, "timeit_repeat": 1}
-    return Config(**tiny, **few, memory_max_seconds=5.0, min_time=0.002, real_timeout=45.0, quick=True)  # fmt: skip
+    worlds = (2**8, 2**9)
+    # fmt: off
+    return Config(worlds, worlds, 2**8, (2, 1, 1), repeats=1, scaling_repeats=1, budget=20.0,
+                  min_repeats=1, memory_max=5.0, min_time=0.002, timeit_repeat=1,
+                  real_timeout=45.0, quick=True)
+    # fmt: on
 
 
 def run_all(config: Config, *, log: Callable[[str], Any], note: str = "") -> dict[str, Any]:
@@ -103,27 +96,23 @@ def run_all(config: Config, *, log: Callable[[str], Any], note: str = "") -> dic
         out: set[str] = set()
         for world in sorted(set(c.setup_worlds) | set(c.scaling_worlds if axes == 3 else ())):
             main_point = world in c.setup_worlds
-            impls = ("scopedmesh", "devicemesh", "naive")[: 3 if main_point else 2]
-            times: dict[str, list[float]] = {impl: [] for impl in impls}
+            times = {impl: [] for impl in ("scopedmesh", "devicemesh", "naive")[: 2 + main_point]}
             for rep in range(c.repeats if main_point else c.scaling_repeats):
-                for impl in impls:
-                    done = times[impl]
+                for impl, done in times.items():
                     if impl in out or (len(done) >= c.min_repeats and statistics.median(done) > c.long_run):  # fmt: skip
                         continue
-                    kw = {"memory": impl == "scopedmesh" or rep == 0, "memory_max": c.memory_max_seconds}  # fmt: skip
-                    limit = c.budget + 12 * c.memory_max_seconds + 60
-                    result = execute("setup", impl, shape_for(axes, world)[0], rep, limit, **kw)
+                    memory = {"memory": impl == "scopedmesh" or rep == 0, "memory_max": c.memory_max}  # fmt: skip
+                    result = execute("setup", impl, shape_for(axes, world)[0], rep, c.budget * 4, **memory)  # fmt: skip
                     done += [result["seconds"]] if "seconds" in result else []
-                    killed = result.get("error") == "timeout"
-                    if killed or result.get("seconds", 0.0) > c.budget:
+                    if result.get("error") == "timeout" or result.get("seconds", 0.0) > c.budget:
                         out.add(impl)
-                        reason = f"a run took > {c.budget:g} s" + " (killed)" * killed
-                        stopped.append({"case": "setup", "impl": impl, "axes": axes, "world": world, "reason": reason})  # fmt: skip
+                        where = {"axes": axes, "world": world, "reason": f"a run took > {c.budget:g} s"}  # fmt: skip
+                        stopped.append({"case": "setup", "impl": impl, **where})
     timed = {"min_time": c.min_time, "repeat": c.timeit_repeat}
     for case, world, impls, kw in (
-        ("lookup", c.lookup_world, ("scopedmesh", "devicemesh", "naive", "dict"), timed),
-        ("submesh", c.submesh_world, ("scopedmesh", "devicemesh"), timed),
-        ("coldstart", c.cold_world, ("scopedmesh", "floor"), {"limit": 180.0}),
+        ("lookup", c.world, ("scopedmesh", "devicemesh", "naive", "dict"), timed),
+        ("submesh", c.world, ("scopedmesh", "devicemesh"), timed),
+        ("coldstart", c.world, ("scopedmesh", "floor"), {"limit": 180.0}),
     ):
         for rep in range(c.repeats if case in c.cases else 0):
             for impl in impls:
@@ -136,16 +125,10 @@ def run_all(config: Config, *, log: Callable[[str], Any], note: str = "") -> dic
     machine = {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version()}
     machine |= {"torch": torch.__version__, "platform": platform.platform()}
     machine["cpu"] = cpu[0].split(":", 1)[1].strip() if cpu else "unknown"
-    meta = {
-        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]),
-        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
-        "runtime_seconds": time.time() - started,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "note": note,
-        "machine": machine,
-        "config": asdict(config),
-    }
+    meta = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "note": note}
+    meta |= {"started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds")}
+    meta |= {"runtime_seconds": time.time() - started, "load_average_before": load_before}
+    meta |= {"load_average_after": os.getloadavg(), "machine": machine, "config": asdict(config)}
     errors = [r for r in raw if "error" in r]
     targets = report.targets(summary, config)
     return {"meta": meta, "summary": summary, "stopped": stopped, "errors": errors, "targets": targets, "raw": raw}  # fmt: skip
@@ -159,13 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--cases", help="comma-separated subset of " + ",".join(Config.cases))
     add("--repeats", type=int, help="runs per figure")
     add("--budget", type=float, help="stop a setup series once a run exceeds this many seconds")
-    add(
-        "--out", type=Path, help="JSON path (default benchmarks/results/latest.json, or smoke.json)"
-    )
+    add("--out", type=Path, help="JSON path (default results/latest.json, or smoke.json)")
     add("--no-readme", action="store_true", help="do not put the tables into benchmarks/README.md")
     add("--note", default="", help="a remark for the machine line, e.g. other load")
     args = parser.parse_args(argv)
-    config = quick_config() if args.quick else full_config()
+    config = quick_config() if args.quick else Config()
     if args.cases:
         config = replace(config, cases=tuple(args.cases.split(",")))
     if args.repeats:

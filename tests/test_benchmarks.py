@@ -67,11 +67,11 @@ def test_every_case_and_approach_ran_without_errors(smoke: dict[str, Any]) -> No
         for impl in ("scopedmesh", "devicemesh"):
             assert ("setup", impl, world, 3) in ran
     for impl in ("scopedmesh", "devicemesh", "naive", "dict"):
-        assert ("lookup", impl, config.lookup_world, 3) in ran
+        assert ("lookup", impl, config.world, 3) in ran
     for impl in ("scopedmesh", "devicemesh"):
-        assert ("submesh", impl, config.submesh_world, 3) in ran
+        assert ("submesh", impl, config.world, 3) in ran
     for impl in ("scopedmesh", "floor"):
-        assert ("coldstart", impl, config.cold_world, 3) in ran
+        assert ("coldstart", impl, config.world, 3) in ran
     (real,) = [r for r in smoke["raw"] if r["case"] == "real"]
     assert set(real["seconds"]) == {"scopedmesh", "devicemesh", "naive", "floor"}
     assert len(real["per_rank"]) == math.prod(config.real_shape)
@@ -164,10 +164,8 @@ def test_update_readme_replaces_only_between_markers(tmp_path: Path) -> None:
 
 
 def test_docstring_examples() -> None:
-    from benchmarks import run
+    from benchmarks import cases, harness, run
 
-    from benchmarks import approaches, harness
-
-    for module in (report, run, approaches, harness):
+    for module in (report, run, cases, harness):
         failed, _ = doctest.testmod(module)
         assert failed == 0, module.__name__
