@@ -102,7 +102,7 @@ def run_all(config: Config, *, log: Callable[[str], Any], note: str = "") -> dic
                     if impl in out or (len(done) >= c.min_repeats and statistics.median(done) > c.long_run):  # fmt: skip
                         continue
                     memory = {"memory": impl == "scopedmesh" or rep == 0, "memory_max": c.memory_max}  # fmt: skip
-                    result = execute("setup", impl, shape_for(axes, world)[0], rep, c.budget * 4, **memory)  # fmt: skip
+                    result = execute("setup", impl, shape_for(axes, world)[0], rep, c.budget * 5, **memory)  # fmt: skip
                     done += [result["seconds"]] if "seconds" in result else []
                     if result.get("error") == "timeout" or result.get("seconds", 0.0) > c.budget:
                         out.add(impl)
