@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from scopedmesh.errors import AxisError, GroupFormationError, MeshClosedError
+from scopedmesh.errors import AxisError, CoordinateError, GroupFormationError, MeshClosedError
 from scopedmesh.layout import MeshLayout
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AxisError",
+    "CoordinateError",
     "GroupFormationError",
     "MeshClosedError",
     "MeshLayout",

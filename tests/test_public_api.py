@@ -11,6 +11,7 @@ import scopedmesh
 def test_all_is_pinned() -> None:
     assert sorted(scopedmesh.__all__) == [
         "AxisError",
+        "CoordinateError",
         "GroupFormationError",
         "MeshClosedError",
         "MeshLayout",
