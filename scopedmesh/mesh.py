@@ -201,6 +201,7 @@ class ProcessGroupMesh(GroupCache):
         """Whether this rank is the last rank of its group along ``axis``."""
         return self._layout.group(self._coord, axis)[-1] == self._rank
 
+    # ColossalAI's static helpers, kept under their names (see scopedmesh._seed).
     ravel = staticmethod(_seed.ravel)
     unravel = staticmethod(_seed.unravel)
     get_coords_along_axis = staticmethod(_seed.get_coords_along_axis)
