@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from scopedmesh._families import Families
 from scopedmesh._indexing import Index, Indexing
 from scopedmesh._ints import as_range, infer_shape, int_sequence
-from scopedmesh._strided import Axes, Axis, RavelMode
+from scopedmesh._strided import Axes, Axis, RavelMode, StridedLayout
 
 __all__ = ["Axes", "Axis", "Index", "MeshLayout", "RavelMode", "as_range"]
 
@@ -46,6 +46,20 @@ class MeshLayout(Families, Indexing):
     """
 
     __slots__ = ()
+
+    # The public methods, defined in the modules above, named here too so that the
+    # class's own namespace lists its whole API (for help() and introspection).
+    axis_index = StridedLayout.axis_index
+    axes_indices = StridedLayout.axes_indices
+    axis_name = StridedLayout.axis_name
+    ravel = StridedLayout.ravel
+    unravel = StridedLayout.unravel
+    group = Families.group
+    compact_group = Families.compact_group
+    groups = Families.groups
+    coords_along = Families.coords_along
+    sub = Indexing.sub
+    __getitem__ = Indexing.__getitem__
 
     def __init__(
         self,

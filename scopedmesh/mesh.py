@@ -62,6 +62,13 @@ class ProcessGroupMesh(GroupCache):
       destroys nothing; its groups stay live until destroyed by hand.
     """
 
+    # The group methods, defined in scopedmesh._cache, named here too so that the
+    # class's own namespace lists its whole API (for help() and introspection).
+    get_group_along_axis = GroupCache.get_group_along_axis
+    create_group_along_axis = GroupCache.create_group_along_axis
+    create_groups = GroupCache.create_groups
+    get_ranks_in_group = GroupCache.get_ranks_in_group
+
     # Sub-layouts and coordinates by the axes asked for: a sub-mesh costs O(1) when repeated.
     _planes: dict[tuple[Axis, ...], tuple[MeshLayout, tuple[int, ...]]]
     _slices: dict[tuple[int, ...], ProcessGroupMesh]  # made by mesh[...], by axes
