@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -80,9 +86,6 @@ def test_json_is_the_placement_table_and_its_facts(
 
 
 def _run(args: list[str]) -> dict[str, object]:
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(args) == 0
@@ -106,3 +109,18 @@ def test_bad_requests_are_one_error_line(
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("scopedmesh plan: error: ") and message in err and err.count("\n") == 1
+
+
+def test_readme_shows_what_the_cli_prints() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(
+        r"```console\n\$ \.venv/bin/python -m (scopedmesh plan [^\n]*--intra-node[^\n]*)\n"
+        r"\.\.\.\n(.*?)```",
+        readme,
+        re.S,
+    )
+    assert block is not None
+    run = subprocess.run(
+        [sys.executable, "-m", *block.group(1).split()], capture_output=True, text=True, check=True
+    )
+    assert run.stdout.endswith(block.group(2)) and block.group(2).startswith("node-aware layout")
