@@ -81,8 +81,10 @@ def launch(
     timeout: float = 300.0,
     worker_args: Sequence[str] = (),
     on_line: Callable[[int, str], None] | None = None,
+    on_agent: Callable[[int, int], None] | None = None,
 ) -> Launch:
-    """Run the two agents; ``on_line(node, line)`` sees each output line as it comes."""
+    """Run the two agents; ``on_line(node, line)`` sees each output line as it comes,
+    ``on_agent(node, pid)`` each agent as it starts."""
     launch_id = uuid.uuid4().hex
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **{MARKER: launch_id})
@@ -121,6 +123,8 @@ def launch(
                 start_new_session=True,  # its own process group: killpg ends the agent
             )
             agents.append(agent)
+            if on_agent is not None:
+                on_agent(node, agent.pid)
             reader = threading.Thread(target=read, args=(node, agent.stdout), daemon=True)
             reader.start()
             readers.append(reader)

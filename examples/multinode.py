@@ -18,13 +18,15 @@ Every rank checks, and rank 0 prints a line per rank:
    ``dp`` and ``tp`` kept inside a node: their groups share one real ``GROUP_RANK``.
 
 With ``--hold S`` it then all-reduces along every axis for S seconds, so that a
-test can kill a peer mid-run: the survivors print ``lost a peer`` and exit 1.
+test can kill a peer mid-run: the survivors print ``lost a peer`` and exit 1. A
+worker ends with its agent (Linux), so killing an agent is a node lost.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -123,6 +125,19 @@ def hold(shape: tuple[int, ...], seconds: float, timeout: float) -> None:
         os._exit(1)  # skip destroying WORLD, whose peers are gone
 
 
+def die_with_agent() -> None:
+    """On Linux, end this worker when its torchrun agent dies.
+
+    torchrun starts workers in sessions of their own, so a worker outlives a
+    killed agent (and its peers, still connected to it, never notice).
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[2, 2, 2], metavar=("DP", "PP", "TP"))
@@ -131,6 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = tuple(args.shape)
 
+    die_with_agent()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     facts = check(shape, args.timeout)
     table = [torch.empty(len(facts), dtype=torch.int64) for _ in range(dist.get_world_size())]

@@ -5,7 +5,8 @@ c10d rendezvous on 127.0.0.1); ``examples/multinode.py`` checks on every rank th
 torchrun's ``GROUP_RANK``/``LOCAL_RANK`` is the node the plan gives, that intra-node
 axes stay on one real node, and that a node-aware mesh keeps ``dp`` and ``tp``
 inside a node. Each launch costs tens of seconds on a small machine, so there are
-two: one whose second agent starts late, and one in which a worker is killed.
+three: one whose second agent starts late (and checks everything), and two in
+which a worker, or a whole node's agent, is killed mid-run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 from contextlib import redirect_stdout
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 from scopedmesh.cli import main as cli
 from scopedmesh.layout import MeshLayout
@@ -85,17 +88,24 @@ def test_two_nodes_one_starting_late_match_the_plan_and_keep_intra_axes_on_one_n
         assert aware == ["yes", "no", "yes"]  # node-aware dp and tp on one node; pp across
 
 
-def test_a_killed_worker_fails_the_survivors_with_a_clear_error_and_leaves_no_process() -> None:
+@pytest.mark.parametrize("victim", ["worker", "agent"])
+def test_a_killed_peer_fails_the_survivors_with_a_clear_error_and_leaves_no_process(
+    victim: str,
+) -> None:
+    """Kill rank 5's process, or its node's agent (its workers die with it), mid-run."""
     killed: dict[str, float] = {}
+    agents: dict[int, int] = {}
 
-    def kill_rank_5(node: int, line: str) -> None:
+    def kill(node: int, line: str) -> None:
         match = re.match(r"rank 5 pid (\d+) holding", line)
         if match and not killed:
-            os.kill(int(match[1]), signal.SIGKILL)
+            os.kill(int(match[1]) if victim == "worker" else agents[node], signal.SIGKILL)
             killed["at"] = time.monotonic()
 
     args = ["--hold", "120", "--timeout", "20"]
-    result = launcher().launch(timeout=300, worker_args=args, on_line=kill_rank_5)
+    result = launcher().launch(
+        timeout=300, worker_args=args, on_line=kill, on_agent=agents.__setitem__
+    )
     text = result.text()
     assert killed, text[-6000:]
     assert not result.timed_out, text[-6000:]  # the agents ended by themselves
@@ -103,7 +113,8 @@ def test_a_killed_worker_fails_the_survivors_with_a_clear_error_and_leaves_no_pr
     assert result.leftovers == []
     lost = re.findall(r"^\[node 0\] rank [0-3]: lost a peer at step \d+: (.*)$", text, re.M)
     assert lost, text[-6000:]  # node 0's workers saw the death themselves, and said so
-    assert "(pid: " in text and "SIGKILL" in text  # torchrun names the killed worker
+    if victim == "worker":
+        assert "SIGKILL" in text  # torchrun names the killed worker
 
 
 def test_the_leftover_scan_finds_a_marked_process() -> None:
