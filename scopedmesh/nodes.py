@@ -81,8 +81,10 @@ def world_nodes(
 def _gather_hosts(host: str | None, wait: timedelta, rank: int, world: int) -> list[str]:
     """Every rank's host name, by one all-gather of fixed-size byte tensors over WORLD."""
     name = socket.gethostname() if host is None else host
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"host must be a non-empty string, got {name!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"host must be a string, got {name!r}")
+    if not name:
+        raise ValueError("host must be a non-empty string, got ''")
     data = name.encode()
     if len(data) >= HOST_BYTES:
         raise ValueError(f"host must be under {HOST_BYTES} bytes, got {len(data)}: {name!r}")

@@ -45,6 +45,22 @@ def nodes_and_mesh(rank: int, world_size: int) -> dict[str, object]:
         dp = mesh.get_group_along_axis("dp")
         result["env_table"] = mesh.layout.ranks
         result["env_dp"] = mesh.get_ranks_in_group(dp)
+    other = (rank + 1) % world_size  # a consistent torchrun environment, but another rank's
+    os.environ.update(RANK=str(other), GROUP_RANK=str(other // 2), LOCAL_RANK=str(other % 2))
+    errors = []
+    calls = [
+        lambda: world_nodes(source="env"),
+        lambda: world_nodes(source="hostname", host=""),
+        lambda: world_nodes(source="hostname", timeout=-1),
+        lambda: node_aware_mesh(2, 2, intra_node=1, nodes="dns"),
+        lambda: node_aware_mesh(2, 2, intra_node=1, nodes=[0, 0, 1]),
+    ]
+    for call in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    result["errors"] = errors
     return result
 
 

@@ -24,6 +24,16 @@ def test_host_names_and_torchrun_env_give_the_nodes_and_the_mesh_keeps_tp_inside
         assert result["env"] == (0, 0, 1, 1)
         assert result["env_table"] == (0, 2, 1, 3)  # dp inside a node: dp groups {0,1}, {2,3}
         assert result["env_dp"] == ([0, 1] if rank < 2 else [2, 3])
+        assert result["errors"] == [
+            f"ValueError: torchrun's environment (RANK={(rank + 1) % 4}, WORLD_SIZE=4) does not "
+            f"describe this process group (rank {rank} of 4); use source='hostname' or pass "
+            "each rank's node",
+            "ValueError: host must be a non-empty string, got ''",
+            "ValueError: timeout must be positive, got -1",
+            "ValueError: nodes must be 'auto', 'env', 'hostname' or a node label per rank, "
+            "got 'dns'",
+            "ValueError: nodes must label every rank of the world (4 ranks), got 3 labels",
+        ]
 
 
 def test_a_rank_that_never_joins_the_host_gather_is_a_timeout_error() -> None:
