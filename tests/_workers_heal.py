@@ -125,14 +125,14 @@ def residue(mesh_shape: tuple[int, ...], cycles: int) -> dict[str, Any]:
     return {"keys": keys, "bad_sums": bad, "leftover_keys": leftovers[:10]}
 
 
-def kept_handles(mesh_shape: tuple[int, ...], cycles: int) -> dict[str, Any]:
-    """fds per rank across closed scopes, with every tp handle kept vs dropped."""
+def kept_handles(mesh_shape: tuple[int, ...], cycles: int, kept_cycles: int) -> dict[str, Any]:
+    """fds per rank across closed scopes, with every tp handle dropped, then kept."""
     kept: list[dist.ProcessGroup] = []
     out: dict[str, Any] = {}
     for keep in (False, True):
         dist.barrier()
         before = open_fds()
-        for _ in range(cycles):
+        for _ in range(kept_cycles if keep else cycles):
             with ProcessGroupMesh(*mesh_shape, names=NAMES, timeout=60) as mesh:
                 tp = mesh.get_group_along_axis("tp")
                 assert tp is not None
@@ -226,13 +226,14 @@ def heal_world(
     steps: int,
     residue_cycles: int,
     fd_cycles: int,
+    kept_cycles: int = 10,
 ) -> dict[str, Any]:
     """Residue and kept-handle checks, then a dp x tp training loop in which ``victim`` dies."""
     report: dict[str, Any] = {"rank": rank}
     if residue_cycles:
         report["residue"] = residue(shape, residue_cycles)
     if fd_cycles:
-        report["fds"] = kept_handles(shape, fd_cycles)
+        report["fds"] = kept_handles(shape, fd_cycles, kept_cycles)
     dist.barrier()
     timeout = 5.0
     mesh = ProcessGroupMesh(*shape, names=NAMES, timeout=timeout)
@@ -260,7 +261,7 @@ def heal_world(
     report["old_mesh_closed"] = mesh.closed
     # Agree on the lost ranks in the store (the victim never checks in), then re-form.
     try:
-        lost = agree_on_lost(range(world), rank, tag=f"step{step}", timeout=3 * timeout)
+        lost = agree_on_lost(range(world), rank, tag=f"step{step}", timeout=2 * timeout)
         report["lost"] = sorted(lost)
         healed = reform(mesh, lost, "dp")
     except LostRankError as error:
