@@ -75,10 +75,14 @@ def agree_on_lost(
     others' keys until all of ``ranks`` checked in or ``timeout`` passed. Then
     it proposes its view with ``compare_set`` on one verdict key: the first
     proposal wins and every survivor returns that one, so all agree even when
-    their views differ (a survivor that checked in late). A rank the verdict
+    their views differ (a survivor that checked in late); a survivor that sees a
+    verdict before its own deadline takes it at once. A rank the verdict
     counts as lost gets ``LostRankError``. ``tag`` names the event (say, the
-    step at which the collective failed); use a new tag for every heal. Store
-    requests only. The event leaves ``len(ranks) + 1`` small keys in the store.
+    step at which the collective failed); use a new tag for every heal. Choose
+    ``timeout`` longer than the spread of the survivors' failure times (about
+    the collective timeout: a peer of the dead rank fails at once, a rank whose
+    collective merely waits on it fails at the timeout). Store requests only;
+    the event leaves ``len(ranks) + 1`` small keys in the store.
     """
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
@@ -93,13 +97,16 @@ def agree_on_lost(
     store.set(f"{prefix}/alive/{rank}", "1")
     deadline = time.monotonic() + seconds
     alive: set[int] = {rank}
+    verdict_key = f"{prefix}/lost"
     while True:
         alive |= {r for r in members if r not in alive and store.check([f"{prefix}/alive/{r}"])}
         if len(alive) == len(members) or time.monotonic() >= deadline:
             break
+        if store.check([verdict_key]):  # a survivor already decided: read its verdict
+            break
         time.sleep(_POLL)
     view = ",".join(str(r) for r in members if r not in alive)
-    verdict = store.compare_set(f"{prefix}/lost", "", f"lost:{view}").decode()
+    verdict = store.compare_set(verdict_key, "", f"lost:{view}").decode()
     lost = frozenset(int(r) for r in verdict.removeprefix("lost:").split(",") if r)
     if rank in lost:
         raise LostRankError(

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -72,6 +73,17 @@ class ProcessGroupMesh:
       for it again raises ``RuntimeError`` rather than return a dead group.
     - A mesh garbage-collected while open warns (``ResourceWarning``) and
       destroys nothing; its groups stay live until destroyed by hand.
+
+    THREADS. A mesh and its sub-meshes may be used from several threads: group
+    requests, ``submesh``, slicing and ``close()`` take one per-mesh lock, so
+    threads that ask for the same group get the same object, made once. The
+    lock holds while a group forms, so a thread asking for another group waits
+    for it. Across ranks the collective rule still holds: members must make
+    their groups in the same order, so let one thread make the groups a mesh
+    needs (or ``eager=True``), or give each thread groups no other thread makes.
+    Meshes in different threads are independent when they make groups over
+    different ranks at the same time; two threads making groups over the same
+    ranks at once may pair mismatched incarnations across ranks.
     """
 
     def __init__(
@@ -143,6 +155,9 @@ class ProcessGroupMesh:
         self._parent = parent
         # The group cache is shared by a mesh and all its sub-meshes: one group per key.
         self._registry: dict[GroupKey, _Entry] = {} if parent is None else parent._registry
+        # One re-entrant lock per root mesh, shared by its sub-meshes: group creation,
+        # close() and sub-mesh bookkeeping run one thread at a time (see THREADS below).
+        self._lock: threading.RLock = threading.RLock() if parent is None else parent._lock
         self._backend = backend
         self._timeout = timeout
         self._pg_options = pg_options
@@ -193,6 +208,10 @@ class ProcessGroupMesh:
         If destroying a group fails, the others are still destroyed and the first
         error is raised at the end.
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -413,6 +432,16 @@ class ProcessGroupMesh:
         backend: str | None,
         pg_options: Any,
     ) -> dist.ProcessGroup | None:
+        with self._lock:
+            return self._get_group_locked(axis, indices, backend, pg_options)
+
+    def _get_group_locked(
+        self,
+        axis: Axes,
+        indices: object,
+        backend: str | None,
+        pg_options: Any,
+    ) -> dist.ProcessGroup | None:
         self._check_open()
         ranks = self._layout.compact_group(self._coord, axis, indices)
         backend_name = self._backend_name(_check_backend(backend, "backend"))
@@ -484,6 +513,10 @@ class ProcessGroupMesh:
         It shares this mesh's groups, owns the groups first made through it and
         destroys those when it closes; closing this mesh closes it first.
         """
+        with self._lock:
+            return self._submesh(axes)
+
+    def _submesh(self, axes: tuple[Axis, ...]) -> ProcessGroupMesh:
         self._check_open()
         if not axes:
             raise TypeError("submesh() needs at least one axis")
@@ -515,9 +548,10 @@ class ProcessGroupMesh:
         """
         items = axes if isinstance(axes, tuple) else (axes,)
         key = self._layout.axes_indices(items) if items else ()
-        child = self._slices.get(key)
-        if child is None or child._closed:
-            child = self._slices[key] = self.submesh(*items)
+        with self._lock:
+            child = self._slices.get(key)
+            if child is None or child._closed:
+                child = self._slices[key] = self.submesh(*items)
         return child
 
     def to_device_mesh(self, device_type: str, axes: Sequence[Axis] | None = None) -> DeviceMesh:
