@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -282,14 +283,19 @@ def incarnation_keys(name: str, size: int, backend: str) -> list[str]:
     """The store keys (relative to torch's default store) that incarnation ``name`` writes.
 
     gloo: each member's address under ``<name>//cpu//0/<group rank>`` (torch 2.13,
-    one device); the formation barrier: ``<name>/formed`` and ``<name>/all-formed``.
-    ``tests/test_c10d_residue.py`` pins the layout: after formation no key of the
+    one device; none under ``TORCH_GLOO_LAZY_INIT=1``); the formation barrier:
+    ``<name>/formed`` and ``<name>/all-formed``.
+    ``tests/test_heal.py`` pins the layout: after formation no key of the
     incarnation is left.
 
     >>> incarnation_keys("g-1", 2, "gloo")
     ['g-1//cpu//0/0', 'g-1//cpu//0/1', 'g-1/formed', 'g-1/all-formed']
     """
-    keys = [f"{name}//cpu//0/{r}" for r in range(size)] if backend == dist.Backend.GLOO else []
+    # Under TORCH_GLOO_LAZY_INIT=1 gloo connects on the first collective, after
+    # formation: its keys are still needed then, so they stay.
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
+    gloo = backend == dist.Backend.GLOO and not lazy
+    keys = [f"{name}//cpu//0/{r}" for r in range(size)] if gloo else []
     if size > 1:
         keys += [f"{name}/formed", f"{name}/all-formed"]
     return keys

@@ -108,7 +108,10 @@ def launch(
 
 
 def residue(mesh_shape: tuple[int, ...], cycles: int) -> dict[str, Any]:
-    """Open a dp x tp mesh, use every axis and a sub-mesh, close; count store keys after each cycle."""
+    """Open a dp x tp mesh, use every axis, a one-member group and a sub-mesh, close; count keys.
+
+    The store's key count is read after every cycle.
+    """
     store = _c10d.default_store()
     keys: list[int] = []
     bad = 0
@@ -118,6 +121,8 @@ def residue(mesh_shape: tuple[int, ...], cycles: int) -> dict[str, Any]:
                 bad += _summed(sub.get_group_along_axis("tp")) != mesh_shape[1]
             for axis, size in zip(NAMES, mesh_shape):
                 bad += _summed(mesh.get_group_along_axis(axis)) != size
+            single = mesh.get_group_along_axis("tp", indices_at_axis=[0])  # 1 member, or None
+            bad += single is not None and _summed(single) != 1
         dist.barrier()  # the test's own sync: every rank finished the cycle
         keys.append(store.num_keys())
         dist.barrier()
