@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -217,13 +218,14 @@ def new_member_group(
     make_name: Any = getattr(c10d, "GroupName", str)
     generation = _next_generation(ranks, str(backend_enum))
     name = group_name(ranks, str(backend_enum), generation)
+    store = _formation_store(backend_enum)
     try:
         group, _ = c10d._new_process_group_helper(
             len(ranks),
             ranks.index(rank),
             ranks,
             backend_enum,
-            c10d._get_default_store(),
+            store,
             make_name(name),
             backend_options=pg_options,
             timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
@@ -238,6 +240,7 @@ def new_member_group(
     if backend_enum != dist.Backend.FAKE:  # fake members never rendezvous: nobody to wait for
         try:
             _all_formed(
+                store,
                 name,
                 len(ranks),
                 timeout or c10d._get_default_timeout(backend_enum),
@@ -249,7 +252,28 @@ def new_member_group(
     return group  # type: ignore[no-any-return]
 
 
-def _all_formed(name: str, size: int, timeout: timedelta, backend: str) -> None:
+def _formation_store(backend: str) -> c10d.Store:
+    """The store a group forms over: torch's default one, or a client of its own under threads.
+
+    torch's TCPStore client runs one request at a time, and a blocking ``wait``
+    (gloo's rendezvous, the formation barrier) holds it: two threads forming
+    groups at once would queue behind each other's waits, and across ranks that
+    can deadlock until the timeout. With other Python threads alive, a group
+    forms over a clone of the client (one more connection, kept by the group's
+    backend while the group lives). A single-threaded process pays nothing.
+    """
+    store = c10d._get_default_store()
+    if threading.active_count() == 1 or backend == dist.Backend.FAKE:
+        return store
+    clone: Any = getattr(store, "clone", None)
+    try:
+        cloned: c10d.Store = clone()
+    except (RuntimeError, TypeError):  # a store that cannot clone: share it
+        return store
+    return cloned
+
+
+def _all_formed(store: c10d.Store, name: str, size: int, timeout: timedelta, backend: str) -> None:
     """Return once every member has finished forming incarnation ``name``; then clear its keys.
 
     gloo's connectFullMesh can return on one member before a slower member has
@@ -266,7 +290,6 @@ def _all_formed(name: str, size: int, timeout: timedelta, backend: str) -> None:
     rendezvous keys and the barrier's own. Store requests only; one ``add`` per
     member more than the barrier alone.
     """
-    store = c10d._get_default_store()
     if size > 1:
         formed = f"{name}/formed"
         if store.add(formed, 1) == size:
