@@ -23,17 +23,14 @@ from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 from scopedmesh import _c10d
+from scopedmesh.errors import LostRankError
 from scopedmesh.layout import Axis
 from scopedmesh.mesh import ProcessGroupMesh
 from scopedmesh.shrink import shrink
 
-__all__ = ["LostRankError", "agree_on_lost", "reform"]
+__all__ = ["LostRankError", "agree_on_lost", "reform"]  # LostRankError lives in errors
 
 _POLL = 0.05  # seconds between two looks at the store while survivors check in
-
-
-class LostRankError(RuntimeError):
-    """This rank was declared lost by the survivors' verdict: it must not join the new mesh."""
 
 
 def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGroupMesh:
