@@ -118,7 +118,7 @@ def _task(item: pytest.Function, spec: WorldSpec) -> WorldTask:
     module = item.module
     if module is None or getattr(module, "__file__", None) is None:
         raise TypeError(f"{item.nodeid}: a world test must be defined in a module file")
-    names = getattr(item, "_fixtureinfo").argnames  # the function's own arguments
+    names = item._fixtureinfo.argnames  # the function's own arguments
     kwargs = {name: item.funcargs[name] for name in names}
     for name, value in kwargs.items():
         try:

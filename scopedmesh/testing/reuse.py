@@ -134,7 +134,7 @@ class ReusedWorld:
         message = pickle.dumps((fn, args))
         failures: dict[int, str] = {}
         pending = set(range(self.size))
-        for rank, conn in enumerate(self._conns):
+        for conn in self._conns:
             try:
                 conn.send_bytes(message)
             except OSError:
