@@ -166,7 +166,7 @@ def render_svg(plan: Plan) -> str:
     y += line_h + GAP
     legend, y, legend_w = _legend(plan, y)
     body += legend
-    text_w = max(9.8 * len(heading[0]), *(8.2 * len(line) for line in heading[1:]))
+    text_w = max([9.8 * len(heading[0]), *(8.2 * len(line) for line in heading[1:])])
     width = max(right, MARGIN + text_w, legend_w) + MARGIN
     height = y + MARGIN
     return (
