@@ -161,3 +161,12 @@ def test_svg_needs_no_torch() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("<svg")
+
+
+def test_the_readme_picture_is_what_the_cli_draws() -> None:
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    match = re.search(r"!\[scopedmesh (plan [^\]]*)\]\(docs/plan\.svg\)", readme)
+    assert match is not None
+    drawn = _cli(*match.group(1).split()[1:], "--svg", "-")
+    assert drawn == (root / "docs" / "plan.svg").read_text()
