@@ -37,6 +37,7 @@ tp: 2 groups of 3 ranks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from scopedmesh.layout import MeshLayout
+from scopedmesh.nodeplan import make_node_plan
 from scopedmesh.plan import Nodes, Plan, group_coord, make_plan, members, nth
 
 __all__ = ["main"]
@@ -106,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="ranks per node (node = rank // N): show which groups cross nodes",
+    )
+    plan.add_argument(
+        "--intra-node",
+        metavar="A,B",
+        help="with --nproc-per-node: also show the node-aware layout that keeps these axes "
+        "inside a node (node_aware_ranks)",
     )
     plan.add_argument("--json", action="store_true", help="print the facts as JSON")
     plan.add_argument("--full", action="store_true", help="never summarise a large world")
@@ -340,10 +348,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             nproc=args.nproc_per_node,
             full=args.full,
         )
+        aware = None
+        if args.intra_node is not None:
+            aware = make_node_plan(plan.layout, args.intra_node, args.nproc_per_node)
     except (ValueError, TypeError, IndexError) as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return 2
     output = json.dumps(plan.document()) + "\n" if args.json else _text(plan)
+    if aware is not None and args.json:
+        output = json.dumps({**plan.document(), "node_aware": aware.document(plan.labels)}) + "\n"
+    elif aware is not None:
+        grid = _grid_lines(dataclasses.replace(plan, layout=aware.layout))
+        output += "\n" + "\n".join(aware.lines(plan.labels, grid, plan.full)) + "\n"
     if args.svg is not None:
         from scopedmesh.svg import render_svg
 

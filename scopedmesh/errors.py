@@ -4,11 +4,13 @@ Each subclasses a standard exception, so callers can catch what they know:
 
 >>> issubclass(MeshClosedError, RuntimeError)
 True
+>>> issubclass(CoordinateError, ValueError) and issubclass(CoordinateError, IndexError)
+True
 """
 
 from __future__ import annotations
 
-__all__ = ["AxisError", "GroupFormationError", "MeshClosedError"]
+__all__ = ["AxisError", "CoordinateError", "GroupFormationError", "MeshClosedError"]
 
 
 class MeshClosedError(RuntimeError):
@@ -27,4 +29,13 @@ class AxisError(ValueError, IndexError):
     """An axis that the mesh does not have: an unknown name or an index out of range.
 
     Like numpy's ``AxisError`` it is both a ``ValueError`` and an ``IndexError``.
+    """
+
+
+class CoordinateError(ValueError, IndexError):
+    """A coordinate outside the mesh's shape, or a rank the mesh does not hold.
+
+    numpy's ``ravel_multi_index`` and ``unravel_index`` raise ``ValueError`` for
+    these; this class is also an ``IndexError``, so ``except IndexError`` keeps
+    working.
     """
