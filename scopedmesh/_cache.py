@@ -83,6 +83,16 @@ class GroupCache(Scope):
         backend: str | None,
         pg_options: Any,
     ) -> dist.ProcessGroup | None:
+        with self._lock:
+            return self._get_group_locked(axis, indices, backend, pg_options)
+
+    def _get_group_locked(
+        self,
+        axis: Axes,
+        indices: object,
+        backend: str | None,
+        pg_options: Any,
+    ) -> dist.ProcessGroup | None:
         self._check_open()
         ranks = self._layout.compact_group(self._coord, axis, indices)
         backend_name = self._backend_name(check_backend(backend, "backend"))

@@ -7,6 +7,7 @@ dropped while open. It declares the state every part of the mesh shares.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
@@ -45,6 +46,9 @@ class Scope:
     _coord: tuple[int, ...]
     _parent: Scope | None
     _registry: dict[GroupKey, Entry]  # shared by a mesh and all its sub-meshes
+    # One re-entrant lock per root mesh, shared by its sub-meshes: group creation,
+    # close() and sub-mesh bookkeeping run one thread at a time (ProcessGroupMesh: THREADS).
+    _lock: threading.RLock
     _backend: str | None
     _timeout: timedelta | None
     _pg_options: Any
@@ -91,6 +95,10 @@ class Scope:
         If destroying a group fails, the others are still destroyed and the first
         error is raised at the end.
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True

@@ -3,6 +3,7 @@
     python -m scopedmesh plan 2 4 8 --names dp pp tp --nproc-per-node 8
     python -m scopedmesh plan -1 8 --world 64 --names dp tp --rank 13
     python -m scopedmesh plan 2 2 2 --names dp pp tp --axis dp,tp --json
+    python -m scopedmesh plan 2 2 2 --names dp pp tp --nproc-per-node 4 --rank 5 --svg plan.svg
 
 This module parses the arguments and renders the text; :mod:`scopedmesh.plan`
 holds the facts (and the ``--json`` schema). The text shows the mesh as a grid
@@ -116,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print the facts as JSON")
     plan.add_argument("--full", action="store_true", help="never summarise a large world")
+    plan.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="also draw the plan as an SVG picture in FILE ('-': print it instead of the text)",
+    )
     return parser
 
 
@@ -354,6 +360,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif aware is not None:
         grid = _grid_lines(dataclasses.replace(plan, layout=aware.layout))
         output += "\n" + "\n".join(aware.lines(plan.labels, grid, plan.full)) + "\n"
+    if args.svg is not None:
+        from scopedmesh.svg import render_svg
+
+        picture = render_svg(plan)
+        if args.svg == "-":
+            output = picture
+        else:
+            try:
+                with open(args.svg, "w", encoding="utf-8") as file:
+                    file.write(picture)
+            except OSError as error:
+                print(f"{PROG} {args.command}: error: --svg {args.svg}: {error}", file=sys.stderr)
+                return 2
     try:
         sys.stdout.write(output)
         sys.stdout.flush()

@@ -10,7 +10,13 @@ True
 
 from __future__ import annotations
 
-__all__ = ["AxisError", "CoordinateError", "GroupFormationError", "MeshClosedError"]
+__all__ = [
+    "AxisError",
+    "CoordinateError",
+    "GroupFormationError",
+    "LostRankError",
+    "MeshClosedError",
+]
 
 
 class MeshClosedError(RuntimeError):
@@ -39,3 +45,7 @@ class CoordinateError(ValueError, IndexError):
     these; this class is also an ``IndexError``, so ``except IndexError`` keeps
     working.
     """
+
+
+class LostRankError(RuntimeError):
+    """This rank was declared lost by the survivors' verdict: it must not join the new mesh."""

@@ -16,6 +16,7 @@ sub-meshes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, overload
@@ -60,6 +61,18 @@ class ProcessGroupMesh(GroupCache):
       for it again raises ``RuntimeError`` rather than return a dead group.
     - A mesh garbage-collected while open warns (``ResourceWarning``) and
       destroys nothing; its groups stay live until destroyed by hand.
+
+    THREADS (tested in ``tests/test_threads.py``). A mesh and its sub-meshes may
+    be used from several threads: group requests, ``submesh``, slicing and
+    ``close()`` take one per-mesh lock, so threads that ask for the same group
+    get the same object, made once. The lock holds while a group forms, so a
+    thread asking for another group waits for it. Across ranks the collective
+    rule still holds: members must make their groups in the same order, so let
+    one thread make the groups a mesh needs (or ``eager=True``), or give each
+    thread groups no other thread makes. Meshes in different threads are
+    independent when they make groups over different ranks at the same time;
+    two threads making groups over the same ranks at once may pair mismatched
+    incarnations across ranks.
     """
 
     # The group methods, defined in scopedmesh._cache, named here too so that the
@@ -142,6 +155,7 @@ class ProcessGroupMesh(GroupCache):
         self._parent = parent
         # The group cache is shared by a mesh and all its sub-meshes: one group per key.
         self._registry = {} if parent is None else parent._registry
+        self._lock = threading.RLock() if parent is None else parent._lock
         self._backend = backend
         self._timeout = timeout
         self._pg_options = pg_options
@@ -221,6 +235,10 @@ class ProcessGroupMesh(GroupCache):
         It shares this mesh's groups, owns the groups first made through it and
         destroys those when it closes; closing this mesh closes it first.
         """
+        with self._lock:
+            return self._submesh(axes)
+
+    def _submesh(self, axes: tuple[Axis, ...]) -> ProcessGroupMesh:
         self._check_open()
         if not axes:
             raise TypeError("submesh() needs at least one axis")
@@ -252,9 +270,10 @@ class ProcessGroupMesh(GroupCache):
         """
         items = axes if isinstance(axes, tuple) else (axes,)
         key = self._layout.axes_indices(items) if items else ()
-        child = self._slices.get(key)
-        if child is None or child._closed:
-            child = self._slices[key] = self.submesh(*items)
+        with self._lock:
+            child = self._slices.get(key)
+            if child is None or child._closed:
+                child = self._slices[key] = self.submesh(*items)
         return child
 
     def to_device_mesh(self, device_type: str, axes: Sequence[Axis] | None = None) -> DeviceMesh:

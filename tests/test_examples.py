@@ -111,3 +111,13 @@ def test_dtensor_runs_on_the_mesh() -> None:
     match = re.search(r"^max error: matmul=(\S+) tp\+fsdp2 output=(\S+) grad=(\S+)$", out, re.M)
     assert match is not None, out
     assert all(float(error) < 1e-5 for error in match.groups())
+
+
+def test_heal_survives_a_leaving_rank() -> None:
+    """Rank 3 leaves at step 3; ranks 0-1 re-form a 1 x 2 mesh and match the reference."""
+    out = torchrun("heal.py", 4)
+    assert "lost ranks [3]; re-formed mesh (1, 2) over (0, 1)" in out, out
+    assert "rank 2 sits out: rank 2 shares a dropped slice of axis 'dp'" in out, out
+    rows = re.findall(r"^step +(\d+) replicas (\d) loss (\S+) reference (\S+)$", out, re.M)
+    assert [int(n) for _, n, _, _ in rows] == [2, 2, 2, 1, 1, 1, 1, 1], out
+    assert all(float(a) == pytest.approx(float(b), rel=1e-9) for _, _, a, b in rows)

@@ -20,9 +20,9 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(f"scopedmesh.{name}" for name in layer.split())
     for layer in (
         "errors",
-        "_ints _strided _indexing _families layout _seed",
+        "_ints _strided _indexing _families layout _seed shrink",
         "_c10d",
-        "_checks _scope _cache _device_mesh mesh",
+        "_checks _scope _cache _device_mesh mesh heal",
         "interop",
         "_plan_math plan cli __main__",
     )

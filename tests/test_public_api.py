@@ -13,12 +13,16 @@ def test_all_is_pinned() -> None:
         "AxisError",
         "CoordinateError",
         "GroupFormationError",
+        "LostRankError",
         "MeshClosedError",
         "MeshLayout",
         "ProcessGroupMesh",
         "__version__",
+        "agree_on_lost",
         "node_aware_mesh",
         "node_aware_ranks",
+        "reform",
+        "shrink",
         "world_nodes",
     ]
     for name in scopedmesh.__all__:
