@@ -561,6 +561,9 @@ def _check_backend(backend: object, argument: str) -> str | None:
             f"{argument} {backend!r} is not available in this torch build ({missing[0]!r} is "
             "unknown or not compiled in); use e.g. 'gloo', or 'nccl' on a CUDA build"
         )
+    problem = _c10d.unusable_backend(name)
+    if problem is not None:  # e.g. NCCL in a CUDA build on a host without a GPU
+        raise ValueError(f"{argument} {backend!r} cannot form a group on this host: {problem}")
     return name
 
 
