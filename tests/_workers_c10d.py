@@ -1,8 +1,9 @@
 """Worker functions for tests/test_c10d.py: the torch hazards of DESIGN.md, on gloo.
 
-One world of 4 ranks runs the phases below in order (see ``C10D_CHECKS``). In
-the first phase ranks 0 and 1 reproduce the public re-creation hazard while
-ranks 2 and 3 run the single-pair checks; the last phase kills rank 3.
+One world of 4 ranks runs the phases below in order (see ``C10D_CHECKS``). The
+first phase tries the public fallback while every rank has the same history; in
+the second, ranks 0 and 1 reproduce the public re-creation hazard while ranks 2
+and 3 run the single-pair checks; the last phase kills rank 3.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _generation(group: dist.ProcessGroup) -> int:
     return int(match.group(2))
 
 
-# ------------------------------------------------------------------ phase 1
+# ------------------------------------------------------------------ phase 2
 
 
 def public_hazards_and_pins(rank: int, world_size: int) -> dict[str, Any]:
@@ -280,7 +281,7 @@ def _formation_ends_together(rank: int) -> dict[str, Any]:
     return {"peer_done": peer_done, "works": works, "patched": slow is not None}
 
 
-# ------------------------------------------------------------------ phase 2
+# ------------------------------------------------------------------ phase 3
 
 
 def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
@@ -338,14 +339,17 @@ def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------ phase 3
+# ------------------------------------------------------------------ phase 1
 
 
 def fallback(rank: int, world_size: int) -> dict[str, Any]:
     """Without the private path: public new_group, one RuntimeWarning that names the hazard."""
+    # Public member-only names hash the number of live groups (torch <= 2.13) or of groups
+    # ever made (2.14+): both must agree on every rank, so this phase runs first.
     live = _c10d.live_group_count()
-    if live != 1:  # public names hash the live-group count: it must agree on every rank
+    if live != 1:
         raise AssertionError(f"expected only WORLD alive before the fallback, found {live}")
+    made_before = getattr(c10d._world, "group_count", None)
     original = _c10d.private_path_supported
     _c10d.private_path_supported = lambda: False
     try:
@@ -366,6 +370,7 @@ def fallback(rank: int, world_size: int) -> dict[str, Any]:
         "live_open": live_open,
         "warnings": [(w.category.__name__, str(w.message)) for w in caught],
         "names": [c["name"] for c in calls],
+        "made_before": made_before,
     }
 
 
@@ -448,9 +453,9 @@ def _wait_gone(pid: int, limit: float = 30.0) -> bool:
 
 
 C10D_CHECKS: list[Check] = [
+    fallback,  # first: public names depend on each rank's history (hazard 7)
     public_hazards_and_pins,
     mesh_recipes,
-    fallback,
     order,
     order_recovers,
     peer_death,  # must stay last: rank 3 dies in it

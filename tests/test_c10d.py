@@ -283,6 +283,7 @@ def test_fallback_to_public_new_group_warns_and_works(world: list[dict[str, Any]
         assert "Connect timeout" in message
         assert "already been created" in message
         assert all(re.fullmatch(r"[0-9a-f]{40}", name) for name in f["names"])  # torch's names
+    assert len({f["made_before"] for f in phase(world, "fallback")}) == 1  # same history
 
 
 def test_every_phase_restores_the_live_group_count(world: list[dict[str, Any] | None]) -> None:
