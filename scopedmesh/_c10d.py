@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 # The helper's parameters that named group creation passes. The options parameter
-# is called ``backend_options`` since torch 2.6 and ``pg_options`` before; both work.
+# is called ``backend_options`` in torch 2.6 and later, ``pg_options`` in 2.4; both work.
 _HELPER_PARAMETERS = (
     "group_size",
     "group_rank",

@@ -153,7 +153,7 @@ def record_new_groups() -> Iterator[list[dict[str, Any]]]:
                 "name": str(bound["group_name"]),
                 "backend": str(bound["backend"]),
                 "timeout": bound.get("timeout"),
-                # torch 2.6+ calls it backend_options, earlier releases pg_options
+                # torch 2.6+ calls it backend_options, torch 2.4 pg_options
                 "backend_options": bound.get("backend_options", bound.get("pg_options")),
             }
         )
