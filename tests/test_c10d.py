@@ -74,7 +74,9 @@ def test_public_new_group_recreation_fails_when_skewed(world: list[dict[str, Any
             assert recipe["failed"] is False, f"rank {rank}: {recipe}"
             assert recipe["sums"] == [1] * workers.PUBLIC_CYCLES
             assert len(set(recipe["names"])) == workers.PUBLIC_CYCLES, recipe["names"]
-    assert recipes[0]["names"] == recipes[1]["names"]  # members agree on every release
+    # Members agree on every name they both made (a rank may fail one stage before its peer).
+    common = min(len(recipe["names"]) for recipe in recipes)
+    assert recipes[0]["names"][:common] == recipes[1]["names"][:common]
 
 
 def test_mesh_open_close_recreation_survives_the_same_skew(
