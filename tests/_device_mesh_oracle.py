@@ -54,8 +54,8 @@ def probe(shapes: list[list[int]]) -> dict[str, Any]:
                         flat = dm[(names[i], names[j])]._flatten(f"{names[i]}_{names[j]}")
                         members = dist.get_process_group_ranks(flat.get_group())
                     except RuntimeError as error:
-                        # torch 2.9, meshes with a size-1 axis: the flattened group was
-                        # never registered; the test accepts None only there.
+                        # torch 2.9, after an earlier fake world: the flattened group is
+                        # not registered; the test accepts None only there.
                         if "Could not resolve the process group" not in str(error):
                             raise
                         members = None
