@@ -10,29 +10,61 @@ the layout algebra and the ``plan`` CLI run where torch is absent or slow to loa
 
 from __future__ import annotations
 
+from importlib import import_module
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from scopedmesh.errors import AxisError, GroupFormationError, MeshClosedError
+from scopedmesh.errors import (
+    AxisError,
+    CoordinateError,
+    GroupFormationError,
+    LostRankError,
+    MeshClosedError,
+)
 from scopedmesh.layout import MeshLayout
 
 if TYPE_CHECKING:
+    from scopedmesh.heal import agree_on_lost, reform
     from scopedmesh.mesh import ProcessGroupMesh
+    from scopedmesh.nodes import node_aware_mesh, world_nodes
+    from scopedmesh.placement import node_aware_ranks
+    from scopedmesh.shrink import shrink
 
 __all__ = [
     "AxisError",
+    "CoordinateError",
     "GroupFormationError",
+    "LostRankError",
     "MeshClosedError",
     "MeshLayout",
     "ProcessGroupMesh",
     "__version__",
+    "agree_on_lost",
+    "node_aware_mesh",
+    "node_aware_ranks",
+    "reform",
+    "shrink",
+    "world_nodes",
 ]
 
 __version__ = "0.1.0.dev0"
 
+# Loaded on first use: the torch-backed names, and pure helpers few programs need.
+_LAZY = MappingProxyType(
+    {
+        "ProcessGroupMesh": "scopedmesh.mesh",
+        "agree_on_lost": "scopedmesh.heal",
+        "reform": "scopedmesh.heal",
+        "node_aware_mesh": "scopedmesh.nodes",
+        "world_nodes": "scopedmesh.nodes",
+        "node_aware_ranks": "scopedmesh.placement",
+        "shrink": "scopedmesh.shrink",
+    }
+)
+
 
 def __getattr__(name: str) -> Any:
-    if name == "ProcessGroupMesh":
-        from scopedmesh.mesh import ProcessGroupMesh
-
-        return ProcessGroupMesh
-    raise AttributeError(f"module 'scopedmesh' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'scopedmesh' has no attribute {name!r}")
+    return getattr(import_module(module), name)

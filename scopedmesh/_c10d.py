@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -37,8 +39,10 @@ from scopedmesh.layout import as_range
 __all__ = [
     "RankMap",
     "canonical_ranks",
+    "default_store",
     "destroy",
     "group_name",
+    "incarnation_keys",
     "is_live",
     "live_group_count",
     "live_groups",
@@ -254,6 +258,7 @@ def new_member_group(
     make_name: Any = getattr(c10d, "GroupName", str)
     generation = _next_generation(ranks, str(backend_enum))
     name = group_name(ranks, str(backend_enum), generation)
+    store = _formation_store(backend_enum)
     parameters = _helper_parameters()
     # Pass only what this torch's helper takes (see _HELPER_OPTIONS).
     options_name = "backend_options" if "backend_options" in parameters else "pg_options"
@@ -263,7 +268,7 @@ def new_member_group(
             ranks.index(rank),
             ranks,
             backend_enum,
-            c10d._get_default_store(),
+            store,
             make_name(name),
             timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
             device_id=default_pg.bound_device_id,
@@ -277,30 +282,89 @@ def new_member_group(
     c10d._world.pg_group_ranks[group] = rank_map  # type: ignore[assignment]  # read as a Mapping
     if not _is_fake(str(backend_enum)):  # fake members never rendezvous: nobody to wait for
         try:
-            _all_formed(name, len(ranks), timeout or c10d._get_default_timeout(backend_enum))
+            _all_formed(
+                store,
+                name,
+                len(ranks),
+                timeout or c10d._get_default_timeout(backend_enum),
+                str(backend_enum),
+            )
         except Exception:
             dist.destroy_process_group(group)
             raise
     return group  # type: ignore[no-any-return]
 
 
-def _all_formed(name: str, size: int, timeout: timedelta) -> None:
-    """Return once every member has finished forming incarnation ``name`` (store requests only).
+def _formation_store(backend: str) -> c10d.Store:
+    """The store a group forms over: torch's default one, or a client of its own under threads.
+
+    torch's TCPStore client runs one request at a time, and a blocking ``wait``
+    (gloo's rendezvous, the formation barrier) holds it: two threads forming
+    groups at once would queue behind each other's waits, and across ranks that
+    can deadlock until the timeout. With other Python threads alive, a group
+    forms over a clone of the client (one more connection, kept by the group's
+    backend while the group lives). A single-threaded process pays nothing.
+    """
+    store = c10d._get_default_store()
+    if threading.active_count() == 1 or backend == dist.Backend.FAKE:
+        return store
+    clone: Any = getattr(store, "clone", None)
+    try:
+        cloned: c10d.Store = clone()
+    except (RuntimeError, TypeError):  # a store that cannot clone: share it
+        return store
+    return cloned
+
+
+def _all_formed(store: c10d.Store, name: str, size: int, timeout: timedelta, backend: str) -> None:
+    """Return once every member has finished forming incarnation ``name``; then clear its keys.
 
     gloo's connectFullMesh can return on one member before a slower member has
     finished its side of the handshake; a group destroyed in that window (say, a
     mesh closed without using it) breaks the slower member's formation with
     'Connection closed by peer' or 'Connect timeout'. Counting arrivals in the
     store ends formation together on every member, as torch does only under
-    TORCH_DIST_INIT_BARRIER=1. The keys are the incarnation's own, never reused.
+    TORCH_DIST_INIT_BARRIER=1.
+
+    The same counter then counts departures: a member adds 1 again once its wait
+    is over, and the one that brings it to ``2 * size`` knows that nobody will
+    read the incarnation's keys again (every member finished connecting before it
+    arrived, and finished waiting before it left), so it deletes them all: the
+    rendezvous keys and the barrier's own. Store requests only; one ``add`` per
+    member more than the barrier alone.
     """
-    if size == 1:
-        return
-    store = c10d._get_default_store()
-    if store.add(f"{name}/formed", 1) >= size:
-        store.set(f"{name}/all-formed", "1")
-    else:
-        store.wait([f"{name}/all-formed"], timeout)
+    if size > 1:
+        formed = f"{name}/formed"
+        if store.add(formed, 1) == size:
+            store.set(f"{name}/all-formed", "1")
+        else:
+            store.wait([f"{name}/all-formed"], timeout)
+        if store.add(formed, 1) < 2 * size:
+            return
+    for key in incarnation_keys(name, size, backend):
+        store.delete_key(key)
+
+
+def incarnation_keys(name: str, size: int, backend: str) -> list[str]:
+    """The store keys (relative to torch's default store) that incarnation ``name`` writes.
+
+    gloo: each member's address under ``<name>//cpu//0/<group rank>`` (torch 2.13,
+    one device; none under ``TORCH_GLOO_LAZY_INIT=1``); the formation barrier:
+    ``<name>/formed`` and ``<name>/all-formed``.
+    ``tests/test_heal.py`` pins the layout: after formation no key of the
+    incarnation is left.
+
+    >>> incarnation_keys("g-1", 2, "gloo")
+    ['g-1//cpu//0/0', 'g-1//cpu//0/1', 'g-1/formed', 'g-1/all-formed']
+    """
+    # Under TORCH_GLOO_LAZY_INIT=1 gloo connects on the first collective, after
+    # formation: its keys are still needed then, so they stay.
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
+    gloo = backend == dist.Backend.GLOO and not lazy
+    keys = [f"{name}//cpu//0/{r}" for r in range(size)] if gloo else []
+    if size > 1:
+        keys += [f"{name}/formed", f"{name}/all-formed"]
+    return keys
 
 
 def live_groups() -> Mapping[dist.ProcessGroup, object]:
@@ -333,3 +397,8 @@ def destroy(group: dist.ProcessGroup) -> bool:
 def live_group_count() -> int:
     """The number of process groups torch holds in this process, WORLD included."""
     return len(c10d._world.pg_map) if dist.is_initialized() else 0
+
+
+def default_store() -> c10d.Store:
+    """torch's distributed store: the one the default process group rendezvoused on."""
+    return c10d._get_default_store()

@@ -3,6 +3,7 @@
     python -m scopedmesh plan 2 4 8 --names dp pp tp --nproc-per-node 8
     python -m scopedmesh plan -1 8 --world 64 --names dp tp --rank 13
     python -m scopedmesh plan 2 2 2 --names dp pp tp --axis dp,tp --json
+    python -m scopedmesh plan 2 2 2 --names dp pp tp --nproc-per-node 4 --rank 5 --svg plan.svg
 
 This module parses the arguments and renders the text; :mod:`scopedmesh.plan`
 holds the facts (and the ``--json`` schema). The text shows the mesh as a grid
@@ -36,6 +37,7 @@ tp: 2 groups of 3 ranks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +46,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from scopedmesh.layout import MeshLayout
+from scopedmesh.nodeplan import make_node_plan
 from scopedmesh.plan import Nodes, Plan, group_coord, make_plan, members, nth
 
 __all__ = ["main"]
@@ -106,8 +109,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="ranks per node (node = rank // N): show which groups cross nodes",
     )
+    plan.add_argument(
+        "--intra-node",
+        metavar="A,B",
+        help="with --nproc-per-node: also show the node-aware layout that keeps these axes "
+        "inside a node (node_aware_ranks)",
+    )
     plan.add_argument("--json", action="store_true", help="print the facts as JSON")
     plan.add_argument("--full", action="store_true", help="never summarise a large world")
+    plan.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="also draw the plan as an SVG picture in FILE ('-': print it instead of the text)",
+    )
     return parser
 
 
@@ -334,10 +348,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             nproc=args.nproc_per_node,
             full=args.full,
         )
+        aware = None
+        if args.intra_node is not None:
+            aware = make_node_plan(plan.layout, args.intra_node, args.nproc_per_node)
     except (ValueError, TypeError, IndexError) as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return 2
     output = json.dumps(plan.document()) + "\n" if args.json else _text(plan)
+    if aware is not None and args.json:
+        output = json.dumps({**plan.document(), "node_aware": aware.document(plan.labels)}) + "\n"
+    elif aware is not None:
+        grid = _grid_lines(dataclasses.replace(plan, layout=aware.layout))
+        output += "\n" + "\n".join(aware.lines(plan.labels, grid, plan.full)) + "\n"
+    if args.svg is not None:
+        from scopedmesh.svg import render_svg
+
+        picture = render_svg(plan)
+        if args.svg == "-":
+            output = picture
+        else:
+            try:
+                with open(args.svg, "w", encoding="utf-8") as file:
+                    file.write(picture)
+            except OSError as error:
+                print(f"{PROG} {args.command}: error: --svg {args.svg}: {error}", file=sys.stderr)
+                return 2
     try:
         sys.stdout.write(output)
         sys.stdout.flush()

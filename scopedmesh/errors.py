@@ -4,11 +4,19 @@ Each subclasses a standard exception, so callers can catch what they know:
 
 >>> issubclass(MeshClosedError, RuntimeError)
 True
+>>> issubclass(CoordinateError, ValueError) and issubclass(CoordinateError, IndexError)
+True
 """
 
 from __future__ import annotations
 
-__all__ = ["AxisError", "GroupFormationError", "MeshClosedError"]
+__all__ = [
+    "AxisError",
+    "CoordinateError",
+    "GroupFormationError",
+    "LostRankError",
+    "MeshClosedError",
+]
 
 
 class MeshClosedError(RuntimeError):
@@ -28,3 +36,16 @@ class AxisError(ValueError, IndexError):
 
     Like numpy's ``AxisError`` it is both a ``ValueError`` and an ``IndexError``.
     """
+
+
+class CoordinateError(ValueError, IndexError):
+    """A coordinate outside the mesh's shape, or a rank the mesh does not hold.
+
+    numpy's ``ravel_multi_index`` and ``unravel_index`` raise ``ValueError`` for
+    these; this class is also an ``IndexError``, so ``except IndexError`` keeps
+    working.
+    """
+
+
+class LostRankError(RuntimeError):
+    """This rank was declared lost by the survivors' verdict: it must not join the new mesh."""

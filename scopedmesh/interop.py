@@ -1,4 +1,4 @@
-"""Conversions between a ProcessGroupMesh and torch's DeviceMesh.
+"""Conversions between a ProcessGroupMesh and torch's DeviceMesh (above the mesh).
 
 DTensor, FSDP2 and tensor parallelism take a ``DeviceMesh``; hand them one built
 over the mesh's own groups, so the mesh stays their single owner::
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from scopedmesh.layout import Axis, MeshLayout
@@ -49,27 +47,7 @@ def to_device_mesh(
     """
     if not isinstance(mesh, ProcessGroupMesh):
         raise TypeError(f"mesh must be a ProcessGroupMesh, got {mesh!r}")
-    if not isinstance(device_type, str) or not device_type:
-        raise TypeError(f"device_type must be a device name such as 'cpu', got {device_type!r}")
-    layout = mesh.layout
-    chosen = tuple(range(layout.ndim)) if axes is None else layout.axes_indices(axes)
-    sub = layout.sub(mesh.coordinate(), chosen)
-    ranks = torch.tensor(sub.ranks, dtype=torch.int).reshape(sub.shape)
-    names = tuple(layout.axis_name(a) if layout.names else f"axis{a}" for a in chosen)
-    for dim, name in enumerate(names):
-        if sub.shape[dim] > 1 and not bool((ranks.diff(dim=dim) > 0).all()):
-            raise ValueError(
-                f"axis {name!r} lists ranks out of ascending order ({ranks.tolist()}); torch "
-                "orders a group's members by global rank, so DTensor would misplace shards. "
-                "Lay the mesh over ranks that ascend along the axes you convert"
-            )
-    groups: list[ProcessGroup] = []
-    for a in chosen:
-        group = mesh.get_group_along_axis(a)
-        if group is None:  # cannot happen: without indices, every rank is in its group
-            raise RuntimeError(f"this rank has no group along axis {names[len(groups)]!r}")
-        groups.append(group)
-    return DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
+    return mesh.to_device_mesh(device_type, axes)
 
 
 def layout_of(device_mesh: DeviceMesh) -> MeshLayout:
@@ -77,8 +55,6 @@ def layout_of(device_mesh: DeviceMesh) -> MeshLayout:
 
     Useful to compare a DeviceMesh with a mesh: ``layout_of(dm) == mesh.layout``.
     """
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a torch DeviceMesh, got {device_mesh!r}")
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch DeviceMesh, got {device_mesh!r}")
     ranks = device_mesh.mesh.flatten().tolist()

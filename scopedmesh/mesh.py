@@ -1,5 +1,10 @@
 """ProcessGroupMesh: an N-D mesh that owns the process groups it makes, for a scope.
 
+The class puts together its scope (:mod:`scopedmesh._scope`), its group cache
+(:mod:`scopedmesh._cache`) and the ColossalAI static helpers
+(:mod:`scopedmesh._seed`); this module holds construction, layout facts and
+sub-meshes.
+
 >>> import torch.distributed as dist
 >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 >>> with ProcessGroupMesh(1, 1, names=("dp", "tp")) as mesh:
@@ -11,40 +16,24 @@
 
 from __future__ import annotations
 
-import itertools
-import warnings
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Sequence
 from datetime import timedelta
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from scopedmesh import _c10d
-from scopedmesh.errors import GroupFormationError, MeshClosedError
-from scopedmesh.layout import Axes, Axis, MeshLayout, RavelMode
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+from scopedmesh import _c10d, _seed
+from scopedmesh._cache import GroupCache, plain_axes
+from scopedmesh._checks import check_backend, check_timeout
+from scopedmesh._device_mesh import build_device_mesh
+from scopedmesh.layout import Axes, Axis, MeshLayout
 
 __all__ = ["ProcessGroupMesh"]
 
-GroupKey = tuple[range | tuple[int, ...], str]
 
-
-class _Entry:
-    """One group made by a scope; ``alive`` turns False when its scope destroys it."""
-
-    __slots__ = ("alive", "group", "key", "options")
-
-    def __init__(self, key: GroupKey, group: dist.ProcessGroup | None, options: object) -> None:
-        self.key = key
-        self.group = group
-        self.options = options
-        self.alive = True
-
-
-class ProcessGroupMesh:
+class ProcessGroupMesh(GroupCache):
     """An N-D mesh over global ranks that makes, caches and destroys its groups.
 
     Groups are made on first request by their members only; ``close()`` (or the
@@ -72,7 +61,30 @@ class ProcessGroupMesh:
       for it again raises ``RuntimeError`` rather than return a dead group.
     - A mesh garbage-collected while open warns (``ResourceWarning``) and
       destroys nothing; its groups stay live until destroyed by hand.
+
+    THREADS (tested in ``tests/test_threads.py``). A mesh and its sub-meshes may
+    be used from several threads: group requests, ``submesh``, slicing and
+    ``close()`` take one per-mesh lock, so threads that ask for the same group
+    get the same object, made once. The lock holds while a group forms, so a
+    thread asking for another group waits for it. Across ranks the collective
+    rule still holds: members must make their groups in the same order, so let
+    one thread make the groups a mesh needs (or ``eager=True``), or give each
+    thread groups no other thread makes. Meshes in different threads are
+    independent when they make groups over different ranks at the same time;
+    two threads making groups over the same ranks at once may pair mismatched
+    incarnations across ranks.
     """
+
+    # The group methods, defined in scopedmesh._cache, named here too so that the
+    # class's own namespace lists its whole API (for help() and introspection).
+    get_group_along_axis = GroupCache.get_group_along_axis
+    create_group_along_axis = GroupCache.create_group_along_axis
+    create_groups = GroupCache.create_groups
+    get_ranks_in_group = GroupCache.get_ranks_in_group
+
+    # Sub-layouts and coordinates by the axes asked for: a sub-mesh costs O(1) when repeated.
+    _planes: dict[tuple[Axis, ...], tuple[MeshLayout, tuple[int, ...]]]
+    _slices: dict[tuple[int, ...], ProcessGroupMesh]  # made by mesh[...], by axes
 
     def __init__(
         self,
@@ -108,8 +120,8 @@ class ProcessGroupMesh:
         self._init(
             layout,
             parent=None,
-            backend=_check_backend(backend, "backend"),
-            timeout=_check_timeout(timeout),
+            backend=check_backend(backend, "backend"),
+            timeout=check_timeout(timeout),
             pg_options=pg_options,
         )
         if eager:
@@ -142,122 +154,19 @@ class ProcessGroupMesh:
         self._rank, self._coord = place
         self._parent = parent
         # The group cache is shared by a mesh and all its sub-meshes: one group per key.
-        self._registry: dict[GroupKey, _Entry] = {} if parent is None else parent._registry
+        self._registry = {} if parent is None else parent._registry
+        self._lock = threading.RLock() if parent is None else parent._lock
         self._backend = backend
         self._timeout = timeout
         self._pg_options = pg_options
-        self._by_axis: dict[object, _Entry] = {}  # fast path: axis as given -> entry
-        self._live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
-        # Sub-layouts and coordinates by the axes asked for: a sub-mesh costs O(1) when repeated.
-        self._planes: dict[tuple[Axis, ...], tuple[MeshLayout, tuple[int, ...]]] = {}
-        self._created: list[_Entry] = []
-        self._children: list[ProcessGroupMesh] = []
+        self._by_axis = {}  # fast path: axis as given -> entry
+        self._live = _c10d.live_groups()
+        self._planes = {}
+        self._created = []
+        self._children = []
         self._closed = False
         self._entered = False
-        self._slices: dict[tuple[int, ...], ProcessGroupMesh] = {}  # made by mesh[...], by axes
-
-    # ---------------------------------------------------------------- scope
-
-    def __enter__(self) -> ProcessGroupMesh:
-        """Enter the scope (once); a closed mesh raises :class:`MeshClosedError`."""
-        self._check_open()
-        if self._entered:
-            raise RuntimeError("this mesh's scope is already entered; a mesh is entered once")
-        self._entered = True
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as error:  # never replace the exception that ended the block
-            warnings.warn(
-                f"closing {self!r} after {exc_type.__name__ if exc_type else 'an error'} "
-                f"also failed: {error!r}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def close(self) -> None:
-        """Destroy the groups this scope made, newest first; then later calls are no-ops.
-
-        Open sub-meshes close first. Groups already destroyed (e.g. by a global
-        ``dist.destroy_process_group()``) are skipped. No communication happens.
-        If destroying a group fails, the others are still destroyed and the first
-        error is raised at the end.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        errors: list[Exception] = []
-        try:
-            for child in reversed(list(self._children)):
-                try:
-                    child.close()
-                except Exception as error:
-                    errors.append(error)
-            for entry in reversed(self._created):
-                entry.alive = False
-                if self._registry.get(entry.key) is entry:
-                    del self._registry[entry.key]
-                if entry.group is not None:
-                    try:
-                        _c10d.destroy(entry.group)
-                    except Exception as error:  # keep going: the other groups must still go
-                        errors.append(error)
-        finally:
-            self._created.clear()
-            self._by_axis.clear()
-            self._children.clear()
-            self._slices.clear()
-            if self._parent is not None and self in self._parent._children:
-                self._parent._children.remove(self)
-        if errors:
-            raise errors[0]
-
-    def destroy_mesh_process_groups(self) -> None:
-        """Same as :meth:`close` (the name ColossalAI uses)."""
-        self.close()
-
-    @property
-    def closed(self) -> bool:
-        """Whether this scope has closed."""
-        return self._closed
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True) or getattr(self, "_parent", None) is not None:
-            return
-        try:
-            warnings.warn(
-                f"unclosed {self!r}: its process groups were never destroyed; use "
-                "'with ProcessGroupMesh(...)' or call close()",
-                ResourceWarning,
-                source=self,
-                stacklevel=2,
-            )
-        except Exception:  # interpreter shutdown: nothing left to tell
-            pass
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        kind = "sub-mesh" if self._parent is not None else "mesh"
-        names = f", names={self._layout.names}" if self._layout.names else ""
-        return (
-            f"<ProcessGroupMesh {kind} shape={self._layout.shape}{names} rank={self._rank} {state}>"
-        )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise MeshClosedError(
-                f"{self!r} is closed; its groups were destroyed. Make a new mesh to get groups again"
-            )
+        self._slices = {}
 
     # ---------------------------------------------------------- layout facts
 
@@ -313,168 +222,10 @@ class ProcessGroupMesh:
         """Whether this rank is the last rank of its group along ``axis``."""
         return self._layout.group(self._coord, axis)[-1] == self._rank
 
-    @staticmethod
-    def ravel(coord: Sequence[int], shape: Sequence[int], mode: RavelMode = "raise") -> int:
-        """The rank at ``coord`` in a default C-order mesh of ``shape``."""
-        return MeshLayout(shape).ravel(coord, mode)
-
-    @staticmethod
-    def unravel(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
-        """The coordinate of ``rank`` in a default C-order mesh of ``shape``."""
-        return MeshLayout(shape).unravel(rank)
-
-    @staticmethod
-    def get_coords_along_axis(
-        base_coord: Sequence[int], axis: int | Sequence[int], indices_at_axis: Sequence[Any]
-    ) -> list[tuple[int, ...]]:
-        """ColossalAI's helper: ``base_coord`` with ``axis`` set to each index, in C order.
-
-        >>> ProcessGroupMesh.get_coords_along_axis((0, 1, 0), 2, [0, 1])
-        [(0, 1, 0), (0, 1, 1)]
-        """
-        coord = _int_list(base_coord, "base_coord")
-        if isinstance(axis, int) and not isinstance(axis, bool):
-            axes, lists = [axis], [indices_at_axis]
-        else:
-            axes, lists = _int_list(axis, "axis"), list(indices_at_axis)
-        if len(lists) != len(axes):
-            raise ValueError(
-                f"indices_at_axis must hold one list of indices per axis ({len(axes)}), "
-                f"got {indices_at_axis!r}"
-            )
-        for a in axes:
-            if not -len(coord) <= a < len(coord):
-                raise IndexError(f"axis {a} is out of range for base_coord {tuple(coord)}")
-        result = []
-        for values in itertools.product(*(_int_list(ix, "indices_at_axis") for ix in lists)):
-            for a, v in zip(axes, values):
-                coord[a] = v
-            result.append(tuple(coord))
-        return result
-
-    # ---------------------------------------------------------------- groups
-
-    def get_group_along_axis(
-        self,
-        axis: Axes,
-        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        backend: str | None = None,
-        pg_options: Any = None,
-    ) -> dist.ProcessGroup | None:
-        """This rank's group along ``axis`` (one or several axes), made on first use.
-
-        ``indices_at_axis`` keeps only those positions of the axes (e.g. ``[0, -1]``
-        for the first and last pipeline stages); ranks outside them get ``None``.
-        Every member must request the group, in the same order as its peers.
-        If a member does not arrive within the mesh's timeout, this raises
-        :class:`GroupFormationError`; once every member asks again, it forms.
-        """
-        if indices_at_axis is None and backend is None and pg_options is None:
-            try:
-                entry = self._by_axis[axis]
-            except (KeyError, TypeError):  # not cached yet, or an unhashable axes list
-                pass
-            else:
-                kind = axis.__class__
-                if (
-                    entry.alive
-                    and (kind is str or kind is int or _plain_axes(axis))
-                    and (entry.group is None or entry.group in self._live)
-                ):
-                    return entry.group
-        return self._get_group(axis, indices_at_axis, backend, pg_options)
-
-    def create_group_along_axis(
-        self,
-        axis: Axes,
-        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        backend: str | None = None,
-        pg_options: Any = None,
-    ) -> dist.ProcessGroup | None:
-        """Same as :meth:`get_group_along_axis`: a group is never made twice."""
-        return self._get_group(axis, indices_at_axis, backend, pg_options)
-
-    def create_groups(self, *axes: Axis) -> None:
-        """Make this rank's group along each of ``axes`` (default: every axis), in mesh order."""
-        chosen = self._layout.axes_indices(axes) if axes else range(self._layout.ndim)
-        for axis in sorted(chosen):
-            self.get_group_along_axis(axis)
-
-    def get_ranks_in_group(self, group: dist.ProcessGroup) -> list[int]:
-        """The global ranks of ``group``, in group-rank order."""
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a ProcessGroup, got {group!r}")
-        return dist.get_process_group_ranks(group)
-
-    def _get_group(
-        self,
-        axis: Axes,
-        indices: object,
-        backend: str | None,
-        pg_options: Any,
-    ) -> dist.ProcessGroup | None:
-        self._check_open()
-        ranks = self._layout.compact_group(self._coord, axis, indices)
-        backend_name = self._backend_name(_check_backend(backend, "backend"))
-        options = self._pg_options if pg_options is None else pg_options
-        if self._rank not in ranks:
-            entry = _Entry((ranks, backend_name), None, options)
-        else:
-            entry = self._registry.get((ranks, backend_name)) or self._make(
-                ranks, backend_name, options, self._describe(axis, indices)
-            )
-            if entry.group is not None and entry.group not in self._live:
-                raise RuntimeError(
-                    f"the group along {self._describe(axis, indices)} over ranks {list(ranks)} "
-                    "was destroyed outside this mesh (by torch.distributed.destroy_process_group); "
-                    "the mesh does not make it again behind its peers' backs. Close this mesh "
-                    "and make a new one"
-                )
-            if pg_options is not None and entry.options is not options:
-                raise ValueError(
-                    f"pg_options differ from those of the existing group over ranks {list(ranks)} "
-                    f"on {backend_name!r}; a mesh keeps one group per (ranks, backend)"
-                )
-        if indices is None and backend is None and pg_options is None:
-            try:
-                self._by_axis[axis] = entry
-            except TypeError:  # unhashable axes: no fast path
-                pass
-        return entry.group
-
-    def _make(
-        self, ranks: range | tuple[int, ...], backend: str, options: Any, what: str
-    ) -> _Entry:
-        try:
-            group = _c10d.new_member_group(
-                ranks,
-                backend=backend,
-                timeout=self._timeout,
-                pg_options=options,
-                description=f"scopedmesh:{what}",
-            )
-        except RuntimeError as error:
-            waited = f" within {self._timeout}" if self._timeout is not None else ""
-            raise GroupFormationError(
-                f"could not form the {backend} process group along {what} over ranks "
-                f"{list(ranks)}{waited}. Likely cause: a member never requested this group, or "
-                "members requested overlapping groups in different orders (every member must "
-                f"request the same groups in the same order). torch said: {error}"
-            ) from error
-        entry = _Entry((ranks, backend), group, options)
-        self._registry[entry.key] = entry
-        self._created.append(entry)
-        return entry
-
-    def _describe(self, axis: Axes, indices: object) -> str:
-        chosen = self._layout.axes_indices(axis)
-        names = tuple(self._layout.axis_name(a) for a in chosen)
-        what = f"axis {names[0]!r}" if len(names) == 1 else f"axes {names}"
-        return what if indices is None else f"{what} at indices {indices}"
-
-    def _backend_name(self, backend: str | None) -> str:
-        chosen = backend or self._backend or dist.get_backend()
-        return str(dist.Backend(chosen))
+    # ColossalAI's static helpers, kept under their names (see scopedmesh._seed).
+    ravel = staticmethod(_seed.ravel)
+    unravel = staticmethod(_seed.unravel)
+    get_coords_along_axis = staticmethod(_seed.get_coords_along_axis)
 
     # ------------------------------------------------------------- sub-meshes
 
@@ -484,14 +235,18 @@ class ProcessGroupMesh:
         It shares this mesh's groups, owns the groups first made through it and
         destroys those when it closes; closing this mesh closes it first.
         """
+        with self._lock:
+            return self._submesh(axes)
+
+    def _submesh(self, axes: tuple[Axis, ...]) -> ProcessGroupMesh:
         self._check_open()
         if not axes:
             raise TypeError("submesh() needs at least one axis")
-        plane = self._planes.get(axes) if _plain_axes(axes) else None
+        plane = self._planes.get(axes) if plain_axes(axes) else None
         if plane is None:
             chosen = self._layout.axes_indices(axes)
             plane = (self._layout.sub(self._coord, axes), tuple(self._coord[a] for a in chosen))
-            if _plain_axes(axes):
+            if plain_axes(axes):
                 self._planes[axes] = plane
         layout, coord = plane
         child = object.__new__(ProcessGroupMesh)
@@ -515,86 +270,17 @@ class ProcessGroupMesh:
         """
         items = axes if isinstance(axes, tuple) else (axes,)
         key = self._layout.axes_indices(items) if items else ()
-        child = self._slices.get(key)
-        if child is None or child._closed:
-            child = self._slices[key] = self.submesh(*items)
+        with self._lock:
+            child = self._slices.get(key)
+            if child is None or child._closed:
+                child = self._slices[key] = self.submesh(*items)
         return child
 
     def to_device_mesh(self, device_type: str, axes: Sequence[Axis] | None = None) -> DeviceMesh:
-        """A torch ``DeviceMesh`` over this mesh's own groups, valid while the mesh is open."""
-        from scopedmesh.interop import to_device_mesh
+        """A torch ``DeviceMesh`` over this mesh's own groups, valid while the mesh is open.
 
-        return to_device_mesh(self, device_type, axes)
-
-
-def _plain_axes(axis: object) -> bool:
-    """Whether ``axis`` is an int, a str or a tuple of them: safe as a cache key.
-
-    ``1.0 == 1`` and ``(0, True) == (0, 1)``: such keys must not reach the cache.
-    """
-    cls = axis.__class__
-    if cls is int or cls is str:
-        return True
-    return cls is tuple and all(a.__class__ is int or a.__class__ is str for a in axis)  # type: ignore[attr-defined]
-
-
-def _check_backend(backend: object, argument: str) -> str | None:
-    if backend is None:
-        return None
-    if not isinstance(backend, str) or not backend:
-        raise TypeError(
-            f"{argument} must be a backend name such as 'gloo' or 'nccl', got {backend!r}"
+        See :func:`scopedmesh.interop.to_device_mesh`, which calls this.
+        """
+        return build_device_mesh(
+            self._layout, self._coord, device_type, axes, self.get_group_along_axis
         )
-    try:
-        name = str(dist.Backend(backend))
-    except ValueError:
-        raise ValueError(
-            f"{argument} {backend!r} is not a torch.distributed backend; "
-            "use e.g. 'gloo', 'nccl' or 'fake'"
-        ) from None
-    # dist.Backend() takes any name; an unknown or unbuilt one fails later, inside torch.
-    missing = [
-        p for p in (q.split(":")[-1] for q in name.split(",")) if not dist.is_backend_available(p)
-    ]
-    if missing:
-        raise ValueError(
-            f"{argument} {backend!r} is not available in this torch build ({missing[0]!r} is "
-            "unknown or not compiled in); use e.g. 'gloo', or 'nccl' on a CUDA build"
-        )
-    problem = _c10d.unusable_backend(name)
-    if problem is not None:  # e.g. NCCL in a CUDA build on a host without a GPU
-        raise ValueError(f"{argument} {backend!r} cannot form a group on this host: {problem}")
-    return name
-
-
-_MAX_TIMEOUT = timedelta(microseconds=2**63 - 1)  # about 292,000 years
-
-
-def _check_timeout(timeout: object) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        result = timeout
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        try:
-            result = timedelta(seconds=timeout)
-        except (OverflowError, ValueError):  # inf, nan, or more days than timedelta holds
-            raise ValueError(
-                f"timeout must be a finite number of seconds, got {timeout!r}"
-            ) from None
-    else:
-        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
-    if result is not None and result <= timedelta(0):
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-    if result is not None and result > _MAX_TIMEOUT:
-        raise ValueError(
-            f"timeout must be at most {_MAX_TIMEOUT} (torch counts it in int64 microseconds), "
-            f"got {timeout!r}"
-        )
-    return result
-
-
-def _int_list(value: object, argument: str) -> list[int]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"{argument} must be a sequence of ints, got {value!r}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise TypeError(f"{argument} must contain only ints, got {value!r}")
-    return list(value)

@@ -1,7 +1,8 @@
 """The facts ``scopedmesh plan`` prints: a mesh's groups, their nodes, one rank's view.
 
 Pure integer facts from :class:`~scopedmesh.layout.MeshLayout` (no torch), which
-:mod:`scopedmesh.cli` renders as text. Above 64 ranks (unless ``full``) the lists
+:mod:`scopedmesh.cli` renders as text; the group arithmetic is in
+:mod:`scopedmesh._plan_math`. Above 64 ranks (unless ``full``) the lists
 are summarised and nothing costs O(world). Bad input raises ``ValueError`` naming
 the CLI option at fault.
 
@@ -45,6 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scopedmesh._plan_math import group_coord, members, nth, residues, spans
 from scopedmesh.layout import MeshLayout
 
 __all__ = [
@@ -63,7 +65,6 @@ SMALL_WORLD = 64  # up to this many ranks, everything is listed
 LIST_ALL = 8  # a summary still lists every group of an axis with this many groups
 HEAD, TAIL = 2, 2  # groups listed at each end of a summarised axis
 JSON_GROUP = 1 << 20  # a summary's JSON leaves out groups with more ranks
-BUDGET = 1 << 18  # most (shift, rank) pairs visited to count the nodes of uneven groups
 HUNGRY = frozenset({"tp", "sp", "cp", "ep"})  # axes that usually want the fastest links
 
 
@@ -228,7 +229,7 @@ def make_plan(
         for p in plans:
             inner = MeshLayout(tuple(layout.shape[a] for a in p.axes))
             position = inner.ravel(tuple(coord[a] for a in p.axes))
-            counts = None if nproc is None else _spans(layout, coord, p.axes, nproc, [0])
+            counts = None if nproc is None else spans(layout, coord, p.axes, nproc, [0])
             groups.append(RankGroup(p, position, None if counts is None else counts[0]))
         node = None if nproc is None else rank // nproc
         rank_plan = RankPlan(rank, coord, node, tuple(groups))
@@ -289,118 +290,20 @@ def _axis_set(layout: MeshLayout, labels: tuple[str, ...], spec: str) -> tuple[i
     return tuple(sorted(layout.axes_indices(items, argument="--axis")))
 
 
-# --------------------------------------------------------------------- groups
-# With the default ranks, a group's C order over its axes is ascending order.
-
-
-def group_coord(layout: MeshLayout, axes: Sequence[int], index: int) -> tuple[int, ...]:
-    """A coordinate of the ``index``-th group along ``axes`` (C order of the other axes)."""
-    others = [a for a in range(layout.ndim) if a not in axes]
-    coord = [0] * layout.ndim
-    for a, c in zip(others, MeshLayout(tuple(layout.shape[a] for a in others)).unravel(index)):
-        coord[a] = c
-    return tuple(coord)
-
-
-def nth(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int], index: int) -> int:
-    """The ``index``-th smallest rank of the group through ``coord``, in O(ndim)."""
-    sub = layout.sub(coord, axes)
-    return sub.ravel(MeshLayout(sub.shape).unravel(index))
-
-
-def members(layout: MeshLayout, coord: Sequence[int], axes: Sequence[int]) -> Sequence[int]:
-    """The ranks of the group along ``axes`` through ``coord``, ascending.
-
-    An evenly spaced group is ``compact_group``'s ``range``, in O(ndim). Another is
-    summed from its axes' progressions in O(size), several times faster than
-    ``compact_group`` walking its coordinates.
-
-    >>> layout = MeshLayout((2, 3, 4))
-    >>> members(layout, (1, 2, 3), (0, 1)), members(layout, (0, 0, 0), (0, 2))
-    (range(3, 27, 4), [0, 1, 2, 3, 12, 13, 14, 15])
-    """
-    sub = layout.sub(coord, axes)
-    if _spaced(sub):
-        return layout.compact_group(coord, axes)
-    origin = (0,) * sub.ndim
-    ranks = [sub.ravel(origin)]
-    for i in range(sub.ndim):  # outermost axis first, so the sums come out ascending
-        along = _progression(sub, origin, i)
-        ranks = [r + s - along.start for r in ranks for s in along]
-    return ranks
-
-
-def _spaced(group: MeshLayout) -> bool:
-    """Whether a group's sub-layout holds evenly spaced ranks, in O(ndim).
-
-    Layouts compare by value in O(ndim): ``group`` against the evenly spaced
-    layout through its two smallest ranks.
-    """
-    first = group.ravel((0,) * group.ndim)
-    step = group.ravel(MeshLayout(group.shape).unravel(1)) - first if group.size > 1 else 1
-    even = range(first, first + group.size * step, step)
-    return group == MeshLayout(group.shape, names=group.names, ranks=even)
-
-
-def _progression(layout: MeshLayout, coord: Sequence[int], axis: int) -> range:
-    """The ranks along one axis through ``coord``, always evenly spaced."""
-    group = layout.compact_group(coord, axis)
-    assert isinstance(group, range)
-    return group
-
-
 # ---------------------------------------------------------------------- nodes
-
-
-def _spans(
-    layout: MeshLayout, coord: Sequence[int], axes: Sequence[int], nproc: int, shifts: list[int]
-) -> list[int] | None:
-    """How many nodes hold the group through ``coord``, its ranks shifted by each of ``shifts``.
-
-    O(1) a shift when evenly spaced; None when an uneven group would cost over BUDGET.
-    """
-    size = math.prod(layout.shape[a] for a in axes)
-    if size * len(shifts) > BUDGET and not _spaced(layout.sub(coord, axes)):
-        return None
-    group = members(layout, coord, axes)
-    if not isinstance(group, range):
-        return [len({(r + shift) // nproc for r in group}) for shift in shifts]
-    if len(group) == 1 or group.step >= nproc:  # a node or more between neighbours
-        return [len(group)] * len(shifts)
-    return [(group[-1] + s) // nproc - (group[0] + s) // nproc + 1 for s in shifts]  # none skipped
-
-
-def _residues(layout: MeshLayout, axes: Sequence[int], nproc: int) -> dict[int, int]:
-    """How many groups along ``axes`` start at each rank modulo ``nproc``.
-
-    A start (0 on ``axes``) sums one rank of each other axis's progression. Costs
-    O(min(nproc, count) * min(nproc, size)) per other axis, never O(world).
-    """
-    origin = (0,) * layout.ndim
-    counts = {0: 1}
-    for a in (a for a in range(layout.ndim) if a not in axes):
-        along = _progression(layout, origin, a)
-        period = nproc // math.gcd(along.step, nproc)  # positions p and p + period share a residue
-        steps = {along[c] % nproc: len(along[c::period]) for c in range(min(len(along), period))}
-        merged: dict[int, int] = {}
-        for r, m in counts.items():
-            for d, k in steps.items():
-                merged[(r + d) % nproc] = merged.get((r + d) % nproc, 0) + m * k
-        counts = merged
-    return counts
 
 
 def _node_facts(layout: MeshLayout, axes: tuple[int, ...], nproc: int) -> Nodes:
     """Placement, crossing count and node span of the groups along ``axes``."""
-    residues = _residues(layout, axes, nproc)
+    starts = residues(layout, axes, nproc)
     origin = (0,) * layout.ndim
     extent = nth(layout, origin, axes, math.prod(layout.shape[a] for a in axes) - 1)
-    count = sum(residues.values())
-    crossing = sum(m for r, m in residues.items() if r + extent >= nproc)
+    count = sum(starts.values())
+    crossing = sum(m for r, m in starts.items() if r + extent >= nproc)
     placement = "intra-node" if not crossing else "cross-node" if crossing == count else "mixed"
     # The group starting at residue r spans the nodes of the origin group shifted by r.
-    spans = _spans(layout, origin, axes, nproc, list(residues))
-    return Nodes(placement, crossing, None if spans is None else (min(spans), max(spans)))
+    counts = spans(layout, origin, axes, nproc, list(starts))
+    return Nodes(placement, crossing, None if counts is None else (min(counts), max(counts)))
 
 
 def _warning(p: AxisPlan, nodes: Nodes, nproc: int) -> str:

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
 
-from scopedmesh.errors import AxisError
+from scopedmesh.errors import AxisError, CoordinateError
 from scopedmesh.layout import MeshLayout
 from scopedmesh.testing.strategies import (
     axes,
@@ -275,10 +275,30 @@ def test_ravel_modes_follow_numpy_semantics(
     if all(0 <= c < n for c, n in zip(coord, ref.shape, strict=True)):
         assert layout.ravel(coord, mode="raise") == ref.table[coord] == wrapped == clipped
     else:
-        with pytest.raises(IndexError, match=r"coord \(.*\) is out of bounds"):
+        with pytest.raises(CoordinateError, match=r"coord \(.*\) is out of bounds"):
             layout.ravel(coord, mode="raise")
-        with pytest.raises(IndexError, match="out of bounds"):
+        with pytest.raises(ValueError, match="out of bounds"):  # as numpy.ravel_multi_index
             layout.ravel(coord)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: MeshLayout((2, 3)).ravel((2, 0)),
+        lambda: MeshLayout((2, 3)).ravel((0, -1), mode="raise"),
+        lambda: MeshLayout((2, 3)).unravel(6),
+        lambda: MeshLayout((2, 3), ranks=range(6, 12)).unravel(0),
+    ],
+    ids=["ravel high", "ravel negative", "unravel high", "unravel absent"],
+)
+def test_out_of_bounds_is_numpys_value_error_and_still_an_index_error(
+    call: Callable[[], object],
+) -> None:
+    """numpy's ravel_multi_index / unravel_index raise ValueError; IndexError still catches it."""
+    for caught in (CoordinateError, ValueError, IndexError):
+        with pytest.raises(caught) as info:
+            call()
+        assert type(info.value) is CoordinateError
 
 
 @pytest.mark.parametrize("mode", ["raise", "wrap", "clip"])
@@ -712,15 +732,20 @@ BAD_INPUT: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         ValueError,
         "coord must have 3 entries",
     ),
-    ("coord high", lambda: L.ravel((2, 0, 0)), IndexError, r"coord \(2, 0, 0\) is out of bounds"),
-    ("coord negative", lambda: L.ravel((0, -1, 0)), IndexError, "coord .* is out of bounds"),
-    ("group coord", lambda: L.group((0, 3, 0), "tp"), IndexError, "coord .* is out of bounds"),
+    (
+        "coord high",
+        lambda: L.ravel((2, 0, 0)),
+        CoordinateError,
+        r"coord \(2, 0, 0\) is out of bounds",
+    ),
+    ("coord negative", lambda: L.ravel((0, -1, 0)), CoordinateError, "coord .* is out of bounds"),
+    ("group coord", lambda: L.group((0, 3, 0), "tp"), CoordinateError, "coord .* is out of bounds"),
     ("group coord len", lambda: L.group((0, 0), "tp"), ValueError, "coord must have 3 entries"),
-    ("sub coord", lambda: L.sub((0, 0, 4), "dp"), IndexError, "coord .* is out of bounds"),
+    ("sub coord", lambda: L.sub((0, 0, 4), "dp"), CoordinateError, "coord .* is out of bounds"),
     ("coord bool", lambda: L.ravel((0, 0, True)), TypeError, "coord must contain only ints"),
     ("coord int", lambda: L.ravel(5), TypeError, "coord must be a sequence of ints"),
-    ("rank absent", lambda: L.unravel(24), ValueError, "rank 24 is not in"),
-    ("rank negative", lambda: L.unravel(-1), ValueError, "rank -1 is not in"),
+    ("rank absent", lambda: L.unravel(24), CoordinateError, "rank 24 is not in"),
+    ("rank negative", lambda: L.unravel(-1), CoordinateError, "rank -1 is not in"),
     ("rank float", lambda: L.unravel(1.0), TypeError, "rank must be an int"),
     ("rank bool", lambda: L.unravel(True), TypeError, "rank must be an int"),
     # ravel mode

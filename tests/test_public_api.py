@@ -11,11 +11,19 @@ import scopedmesh
 def test_all_is_pinned() -> None:
     assert sorted(scopedmesh.__all__) == [
         "AxisError",
+        "CoordinateError",
         "GroupFormationError",
+        "LostRankError",
         "MeshClosedError",
         "MeshLayout",
         "ProcessGroupMesh",
         "__version__",
+        "agree_on_lost",
+        "node_aware_mesh",
+        "node_aware_ranks",
+        "reform",
+        "shrink",
+        "world_nodes",
     ]
     for name in scopedmesh.__all__:
         assert getattr(scopedmesh, name) is not None
@@ -37,7 +45,9 @@ def _modules_after(statement: str) -> set[str]:
 
 
 def test_import_scopedmesh_leaves_torch_out() -> None:
-    modules = _modules_after("import scopedmesh, scopedmesh.layout, scopedmesh.errors")
+    modules = _modules_after(
+        "import scopedmesh, scopedmesh.layout, scopedmesh.errors, scopedmesh.placement"
+    )
     assert "scopedmesh.layout" in modules
     assert "torch" not in modules
 

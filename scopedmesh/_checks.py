@@ -1,0 +1,70 @@
+"""Checks of the mesh's torch-facing arguments: backend names and timeouts.
+
+>>> check_timeout(1.5)
+datetime.timedelta(seconds=1, microseconds=500000)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from scopedmesh._c10d import unusable_backend
+
+__all__ = ["MAX_TIMEOUT", "check_backend", "check_timeout"]
+
+MAX_TIMEOUT = timedelta(microseconds=2**63 - 1)  # about 292,000 years
+
+
+def check_backend(backend: object, argument: str) -> str | None:
+    """``backend`` as torch's canonical name, or None; an error if this build lacks it."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(
+            f"{argument} must be a backend name such as 'gloo' or 'nccl', got {backend!r}"
+        )
+    try:
+        name = str(dist.Backend(backend))
+    except ValueError:
+        raise ValueError(
+            f"{argument} {backend!r} is not a torch.distributed backend; "
+            "use e.g. 'gloo', 'nccl' or 'fake'"
+        ) from None
+    # dist.Backend() takes any name; an unknown or unbuilt one fails later, inside torch.
+    missing = [
+        p for p in (q.split(":")[-1] for q in name.split(",")) if not dist.is_backend_available(p)
+    ]
+    if missing:
+        raise ValueError(
+            f"{argument} {backend!r} is not available in this torch build ({missing[0]!r} is "
+            "unknown or not compiled in); use e.g. 'gloo', or 'nccl' on a CUDA build"
+        )
+    problem = unusable_backend(name)
+    if problem is not None:  # e.g. NCCL in a CUDA build on a host without a GPU
+        raise ValueError(f"{argument} {backend!r} cannot form a group on this host: {problem}")
+    return name
+
+
+def check_timeout(timeout: object) -> timedelta | None:
+    """``timeout`` (a ``timedelta`` or seconds) as a positive ``timedelta``, or None."""
+    if timeout is None or isinstance(timeout, timedelta):
+        result = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        try:
+            result = timedelta(seconds=timeout)
+        except (OverflowError, ValueError):  # inf, nan, or more days than timedelta holds
+            raise ValueError(
+                f"timeout must be a finite number of seconds, got {timeout!r}"
+            ) from None
+    else:
+        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
+    if result is not None and result <= timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if result is not None and result > MAX_TIMEOUT:
+        raise ValueError(
+            f"timeout must be at most {MAX_TIMEOUT} (torch counts it in int64 microseconds), "
+            f"got {timeout!r}"
+        )
+    return result
