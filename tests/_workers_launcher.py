@@ -58,3 +58,12 @@ def kill_self_on_rank(rank: int, world_size: int, bad_rank: int) -> int:
 
 def sleep_forever(rank: int, world_size: int) -> None:
     time.sleep(3600)
+
+
+def store_after_rank0_left(rank: int, world_size: int) -> int:
+    """Rank 0 returns at once; the others use the store after it has exited."""
+    if rank == 0:
+        return 0
+    time.sleep(3.0)  # rank 0 has reported, torn down and exited by now
+    store = dist.distributed_c10d._get_default_store()
+    return int(store.add("late-rank-count", 1))

@@ -96,6 +96,14 @@ def test_overall_timeout_kills_everyone() -> None:
     assert multiprocessing.active_children() == []
 
 
+def test_the_store_outlives_a_rank_that_finished_first() -> None:
+    # Rank 0 used to host the store: once it exited, a slower rank's store
+    # request failed with "Connection was likely closed".
+    results = run_world(workers.store_after_rank0_left, 3, timeout=120)
+    assert results[0] == 0
+    assert sorted(results[1:]) == [1, 2]
+
+
 def test_describe_exit() -> None:
     assert _describe_exit(7) == "its process exited with code 7"
     assert "SIGKILL" in _describe_exit(-int(signal.SIGKILL))

@@ -96,12 +96,12 @@ def _child_main(
     os.environ.update(env)
     try:
         try:
+            limit = timedelta(seconds=init_timeout)
+            # The parent hosts the store (as torchrun's agent does): a rank that
+            # finishes first and exits must not take the store from slower ranks.
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=limit)  # type: ignore[attr-defined]  # public; not in torch's stub exports
             dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=init_timeout),
+                backend, store=store, rank=rank, world_size=world_size, timeout=limit
             )
             result = fn(rank, world_size, *args)
         except Exception:
@@ -217,7 +217,9 @@ def run_world(
 
     Each rank is a fresh ("spawn") process with ``MASTER_ADDR``, ``MASTER_PORT``,
     ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and then ``env`` set, and a default
-    process group of ``backend`` initialised over 127.0.0.1. ``fn`` must be a
+    process group of ``backend`` initialised over 127.0.0.1. The calling process
+    hosts the world's store (as torchrun's agent does), so a rank that finishes
+    early and exits leaves the store to the others. ``fn`` must be a
     top-level (picklable) function, and its result picklable.
 
     If a rank raises, or its process ends without reporting, :class:`WorldError`
@@ -240,7 +242,14 @@ def run_world(
     grace = _check_positive("grace", grace, allow_zero=True)
 
     ctx = multiprocessing.get_context("spawn")
-    port = free_port()
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # public; not in torch's stub exports
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=init_timeout),
+    )
+    port = store.port
     procs: list[BaseProcess] = []
     readers: dict[int, Connection] = {}
     results: dict[int, Any] = {}
