@@ -1,252 +1,117 @@
-"""Turn raw worker results into figures (median, min, max), target verdicts and tables.
+"""Raw runs to figures (median, min, max), target verdicts and Markdown tables.
 
->>> stat([3.0, 1.0, 2.0])
-{'median': 2.0, 'min': 1.0, 'max': 3.0, 'n': 3}
->>> fmt_seconds(0.000_012_5), fmt_seconds(1.5), fmt_bytes(5 * 1024)
-('12.5 µs', '1.50 s', '5.0 KiB')
+>>> fmt_seconds(0.000_012_5), fmt_seconds(1.5), fmt_bytes(5 * 1024), fmt_count(stat([3, 3]))
+('12.5 µs', '1.50 s', '5.0 KiB', '3')
 """
 
 from __future__ import annotations
 
 import math
 import re
-import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from benchmarks.run import Config
+from benchmarks.harness import stat
 
 __all__ = ["render", "stat", "summarize", "targets", "update_readme"]
 
-Stat = dict[str, float]
 BEGIN, END = "<!-- BEGIN RESULTS -->", "<!-- END RESULTS -->"
-LABELS = {"scopedmesh": "scopedmesh", "devicemesh": "DeviceMesh", "naive": "naive", "dict": "dict"}
+LABELS = {i: i for i in ("scopedmesh", "devicemesh", "naive", "dict", "floor")}
+LABELS["devicemesh"], PAIR = "DeviceMesh", ("scopedmesh", "devicemesh")
+KEEP = {"stmt", "requested_groups"}  # kept as the first run's value, not a stat
+Summary = dict[str, list[dict[str, Any]]]
 
 
-def stat(values: Iterable[float]) -> Stat:
-    """Median, min, max and count of ``values``."""
-    data = list(values)
-    return {"median": statistics.median(data), "min": min(data), "max": max(data), "n": len(data)}
-
-
-def _ok(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in runs if "error" not in r]
-
-
-def summarize(raw: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Group the runs of each point and reduce every figure to a :func:`stat`."""
+def summarize(raw: Iterable[dict[str, Any]]) -> Summary:
+    """Group the runs of each point; every other number becomes a :func:`stat` over them."""
     points: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for r in _ok(raw):
-        points[(r["case"], r["impl"], tuple(r["shape"]))].append(r)
-    summary: dict[str, list[dict[str, Any]]] = {
-        "setup": [],
-        "lookup": [],
-        "submesh": [],
-        "real": [],
-    }
+    for r in (r for r in raw if "error" not in r):
+        for impl, run in r["seconds"].items() if r["case"] == "real" else [(r["impl"], r)]:
+            point = (r["case"], impl, tuple(r["shape"]))
+            points[point].append(run if isinstance(run, dict) else {"seconds": run})
+    summary: Summary = {case: [] for case in ("setup", "lookup", "submesh", "real", "coldstart")}
     for (case, impl, shape), runs in points.items():
-        head = {"impl": impl, "world": math.prod(shape), "shape": list(shape), "axes": len(shape)}
+        e = {"impl": impl, "world": math.prod(shape), "shape": list(shape), "axes": len(shape)}
+        for key in dict.fromkeys(k for r in runs for k in r):
+            values = [r[key] for r in runs if key in r]
+            if key in KEEP:
+                e[key] = values[0]
+            elif key not in e and key not in ("rep", "torch_threads"):
+                e.update({key: stat(values)} if {type(v) for v in values} <= {int, float} else {})
         if case == "setup":
-            traced = [r for r in runs if "peak_bytes" in r]
-            summary["setup"].append(
-                {
-                    **head,
-                    "seconds": stat(r["seconds"] for r in runs),
-                    "helper_seconds": stat(r["helper_seconds"] for r in runs),
-                    "own_seconds": stat(r["seconds"] - r["helper_seconds"] for r in runs),
-                    "helper_calls": sorted({r["helper_calls"] for r in runs}),
-                    "groups_registered": sorted({r["groups_registered"] for r in runs}),
-                    "requested_groups": runs[0]["requested_groups"],
-                    "all_groups": runs[0]["all_groups"],
-                    "peak_bytes": stat(r["peak_bytes"] for r in traced) if traced else None,
-                    "retained_bytes": stat(r["retained_bytes"] for r in traced) if traced else None,
-                    "warnings": sorted({w for r in runs for w in r.get("warnings", [])}),
-                }
-            )
-        elif case in ("lookup", "submesh"):
-            entry = {**head, "ns_per_call": stat(r["ns_per_call"] for r in runs)}
-            if case == "submesh":
-                entry["scope_ns_per_call"] = stat(r["scope_ns_per_call"] for r in runs)
-                entry["slice_ns_per_call"] = stat(r["slice_ns_per_call"] for r in runs)
-                entry["first_seconds"] = stat(r["first_seconds"] for r in runs)
-            else:
-                entry["stmt"] = runs[0]["stmt"]
-            summary[case].append(entry)
-        else:
-            for name in runs[0]["seconds"]:
-                summary["real"].append(
-                    {**head, "impl": name, "seconds": stat(r["seconds"][name] for r in runs)}
-                )
+            e["own_seconds"] = stat(r["seconds"] - r["helper_seconds"] for r in runs)
+        summary[case].append(e)
     for entries in summary.values():
         entries.sort(key=lambda e: (e["axes"], e["world"], list(LABELS).index(e["impl"])))
     return summary
 
 
 def _find(entries: Iterable[dict[str, Any]], **where: Any) -> dict[str, Any] | None:
-    for e in entries:
-        if all(e.get(k) == v for k, v in where.items()):
-            return e
-    return None
+    return next((e for e in entries if all(e.get(k) == v for k, v in where.items())), None)
 
 
-def _target(
-    case: str,
-    text: str,
-    value: float | None,
-    threshold: float,
-    *,
-    at_most: bool,
-    figure: str,
-    diagnostic: bool = False,
-) -> dict[str, Any]:
-    met = None if value is None else (value <= threshold if at_most else value >= threshold)
-    return {
-        "case": case,
-        "target": text,
-        "figure": figure if value is not None else "not measured",
-        "value": value,
-        "threshold": threshold,
-        "met": met,
-        "diagnostic": diagnostic,
-    }
+def _med(entries: Iterable[dict[str, Any]], field: str = "seconds", **where: Any) -> float | None:
+    e = _find(entries, **where)
+    return e[field]["median"] if e and field in e else None
 
 
-def targets(summary: dict[str, list[dict[str, Any]]], config: Config) -> list[dict[str, Any]]:
-    """The issue's targets, each with its figure from this run and a verdict."""
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def targets(summary: Summary, config: Any) -> list[dict[str, Any]]:
+    """The issues' targets, each with its figure from this run and a verdict."""
     out: list[dict[str, Any]] = []
-    setup = summary["setup"]
-    worlds = sorted(config.setup_worlds)
-    ref = 2**16 if 2**16 in worlds else worlds[-1]
-    lo, hi = worlds[0], worlds[-1]
+
+    def add(case: str, text: str, value: float | None, limit: float, fig: str) -> None:
+        most = "≤" in text or "<" in text or "within" in text  # else an "at least" target
+        met = None if value is None else (value <= limit if most else value >= limit)
+        figure = fig.format(value or 0) if value is not None else "not measured"
+        out.append({"case": case, "target": text, "figure": figure, "value": value, "met": met})
+        out[-1].update(threshold=limit, diagnostic=text.startswith("(diagnostic"))
+
+    s, worlds = summary["setup"], sorted(config.setup_worlds)
+    ref, lo, hi = 2**16 if 2**16 in worlds else worlds[-1], worlds[0], worlds[-1]
     for axes in config.axes:
-        sm = _find(setup, impl="scopedmesh", axes=axes, world=ref)
-        dm = _find(setup, impl="devicemesh", axes=axes, world=ref)
-        ratio = dm["seconds"]["median"] / sm["seconds"]["median"] if sm and dm else None
-        out.append(
-            _target(
-                "a",
-                f"setup ≥ 100x faster than init_device_mesh at {_pow(ref)}, {axes} axes",
-                ratio,
-                100,
-                at_most=False,
-                figure=f"{ratio or 0:,.0f}x",
-            )
-        )
-        first = _find(setup, impl="scopedmesh", axes=axes, world=lo)
-        last = _find(setup, impl="scopedmesh", axes=axes, world=hi)
-        growth = last["seconds"]["median"] / first["seconds"]["median"] if first and last else None
-        out.append(
-            _target(
-                "a",
-                f"scopedmesh setup grows ≤ 2x from {_pow(lo)} to {_pow(hi)}, {axes} axes",
-                growth,
-                2,
-                at_most=True,
-                figure=f"{growth or 0:.2f}x",
-            )
-        )
-        own = (
-            last["own_seconds"]["median"] / first["own_seconds"]["median"]
-            if first and last
-            else None
-        )
-        out.append(
-            _target(
-                "a",
-                f"(diagnostic, not a target) the same, without the time inside torch's "
-                f"`_new_process_group_helper`, {axes} axes",
-                own,
-                2,
-                at_most=True,
-                figure=f"{own or 0:.2f}x",
-                diagnostic=True,
-            )
-        )
-        runs = [e for e in setup if e["impl"] == "scopedmesh" and e["axes"] == axes]
-        exact = all(
-            e["helper_calls"] == [e["requested_groups"]] == e["groups_registered"] for e in runs
-        )
-        calls = sorted({c for e in runs for c in e["helper_calls"]})
-        out.append(
-            _target(
-                "a",
-                f"exactly one new_group call per requested group, {axes} axes",
-                float(exact) if runs else None,
-                1,
-                at_most=False,
-                figure=f"{_values(calls)} calls for {axes} groups, at every world",
-            )
-        )
-        peak = last["peak_bytes"]["max"] if last and last["peak_bytes"] else None
-        out.append(
-            _target(
-                "a",
-                f"peak Python memory of the mesh at {_pow(hi)} < 256 KiB, {axes} axes",
-                peak,
-                256 * 1024 - 1,
-                at_most=True,
-                figure=fmt_bytes(peak or 0),
-            )
-        )
-    lookup = summary["lookup"]
-    sm, dm = _find(lookup, impl="scopedmesh"), _find(lookup, impl="devicemesh")
-    ns = sm["ns_per_call"]["median"] if sm else None
-    out.append(
-        _target("b", "cached lookup ≤ 250 ns", ns, 250, at_most=True, figure=f"{ns or 0:.0f} ns")
-    )
-    ratio = dm["ns_per_call"]["median"] / sm["ns_per_call"]["median"] if sm and dm else None
-    out.append(
-        _target(
-            "b",
-            "cached lookup ≥ 4x faster than DeviceMesh.get_group",
-            ratio,
-            4,
-            at_most=False,
-            figure=f"{ratio or 0:.1f}x",
-        )
-    )
-    sub = summary["submesh"]
-    sm, dm = _find(sub, impl="scopedmesh"), _find(sub, impl="devicemesh")
-    ratio = dm["ns_per_call"]["median"] / sm["ns_per_call"]["median"] if sm and dm else None
-    out.append(
-        _target(
-            "c",
-            f"sub-mesh ≥ 1000x faster than DeviceMesh slicing at {_pow(config.submesh_world)}",
-            ratio,
-            1000,
-            at_most=False,
-            figure=f"{ratio or 0:,.0f}x",
-        )
-    )
-    real = summary["real"]
-    sm, dm = _find(real, impl="scopedmesh"), _find(real, impl="devicemesh")
-    ratio = sm["seconds"]["median"] / dm["seconds"]["median"] if sm and dm else None
-    world = math.prod(config.real_shape)
-    out.append(
-        _target(
-            "d",
-            f"real gloo world of {world}: no slower than init_device_mesh",
-            ratio,
-            1,
-            at_most=True,
-            figure=f"{ratio or 0:.2f}x DeviceMesh's time",
-        )
-    )
+        sm, dm = {"impl": "scopedmesh", "axes": axes}, {"impl": "devicemesh", "axes": axes}
+        ratio = _div(_med(s, **dm, world=ref), _med(s, **sm, world=ref))
+        add("a", f"setup ≥ 100x faster than init_device_mesh at {_pow(ref)}, {axes} axes", ratio, 100, "{:,.0f}x")  # fmt: skip
+        for field, what, limit in (
+            ("own_seconds", "scopedmesh's own setup time (without torch's helper)", 1.5),
+            ("seconds", "(diagnostic) scopedmesh's setup time, torch's helper included,", 2),
+            ("copy_seconds", "(diagnostic) torch's per-member copy in scopedmesh's setup", 2),
+        ):
+            growth = _div(_med(s, field, **sm, world=hi), _med(s, field, **sm, world=lo))
+            text = f"{what} grows ≤ {limit:g}x from {_pow(lo)} to {_pow(hi)}, {axes} axes"
+            add("a", text, growth, limit, "{:.2f}x")
+        runs = [e for e in s if e["impl"] == "scopedmesh" and e["axes"] == axes]
+        exact = [fmt_count(e["helper_calls"]) == fmt_count(e["groups_registered"]) == str(axes) for e in runs]  # fmt: skip
+        calls = "/".join(sorted({fmt_count(e["helper_calls"]) for e in runs}))
+        text = f"exactly one new_group call per requested group, {axes} axes"
+        add("a", text, float(all(exact)) if runs else None, 1, f"{calls} calls for {axes} groups")
+        peak = (_find(s, **sm, world=hi) or {}).get("peak_bytes", {}).get("max")
+        text = f"peak Python memory of the mesh at {_pow(hi)} < 256 KiB, {axes} axes"
+        add("a", text, peak, 256 * 1024 - 1, fmt_bytes(peak or 0))
+    ns, dm_ns = (_med(summary["lookup"], "ns_per_call", impl=i) for i in PAIR)
+    add("b", "cached lookup ≤ 250 ns", ns, 250, "{:.0f} ns")
+    add("b", "cached lookup ≥ 4x faster than DeviceMesh.get_group", _div(dm_ns, ns), 4, "{:.1f}x")
+    ns, dm_ns = (_med(summary["submesh"], "ns_per_call", impl=i) for i in PAIR)
+    text = f"sub-mesh ≥ 1000x faster than DeviceMesh slicing at {_pow(config.world)}"
+    add("c", text, _div(dm_ns, ns), 1000, "{:,.0f}x")
+    sm_s, dm_s, floor = (_med(summary["real"], impl=i) for i in (*PAIR, "floor"))
+    world = f"real gloo world of {math.prod(config.real_shape)}"
+    add("d", f"{world}: scopedmesh within 1.2x of the floor", _div(sm_s, floor), 1.2, "{:.2f}x")
+    add("d", f"{world}: ≥ 2x faster than init_device_mesh", _div(dm_s, sm_s), 2, "{:.2f}x")
+    cold = _med(summary["coldstart"], impl="scopedmesh")
+    text = f"cold start: import, first mesh and its groups ≤ 5 ms at {_pow(config.world)}"
+    add("f", text, cold, 0.005, fmt_seconds(cold or 0))
     return out
 
 
-# ------------------------------------------------------------------ format
-
-
 def fmt_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
 
 
 def fmt_ns(ns: float) -> str:
@@ -254,11 +119,11 @@ def fmt_ns(ns: float) -> str:
 
 
 def fmt_bytes(b: float) -> str:
-    if b >= 1024**2:
-        return f"{b / 1024**2:.1f} MiB"
-    if b >= 1024:
-        return f"{b / 1024:.1f} KiB"
-    return f"{b:.0f} B"
+    return f"{b / 1024**2:.1f} MiB" if b >= 1024**2 else f"{b / 1024:.1f} KiB" if b >= 1024 else f"{b:.0f} B"  # fmt: skip
+
+
+def fmt_count(s: dict[str, float]) -> str:
+    return f"{s['min']:,.0f}" + ("" if s["min"] == s["max"] else f"/{s['max']:,.0f}")
 
 
 def _pow(n: int) -> str:
@@ -266,204 +131,96 @@ def _pow(n: int) -> str:
     return f"2^{k}" if n == 1 << k else str(n)
 
 
-def _spread(s: Stat, fmt: Any) -> str:
-    return f"{fmt(s['min'])} .. {fmt(s['max'])}"
+def _x(a: float | None, b: float | None, digits: int = 0) -> str:
+    ratio = _div(a, b)
+    return "—" if ratio is None else f"{ratio:,.{digits}f}x"
 
 
-def _values(values: Sequence[int]) -> str:
-    return "/".join(f"{v:,}" for v in values)
+# (b), (c), (d), (f): case, title, figure, ratios to (approach, digits), more (header, key, format)
+# fmt: off
+TABLES: tuple[tuple[str, str, str, dict[str, int], list[tuple[str, str, Callable[[Any], str]]]], ...] = (
+    ("lookup", "(b) cached lookup of the `tp` group at world {p}", "ns_per_call", {"scopedmesh": 1},
+     [("statement", "stmt", "`{}`".format)]),
+    ("submesh", "(c) sub-mesh over (`pp`, `tp`) at world {p}", "ns_per_call", {"scopedmesh": 1},
+     [("with close()", "scope_ns_per_call", fmt_ns), ("`mesh[...]`", "slice_ns_per_call", fmt_ns),
+      ("first call", "first_seconds", fmt_seconds)]),
+    ("real", "(d) real processes: gloo world of {w}, shape {s}", "seconds",
+     {"scopedmesh": 2, "floor": 2}, []),
+    ("coldstart", "(f) cold start at world {p}", "seconds", {"floor": 1},
+     [(head, f"{key}_seconds", fmt_seconds) for head, key in (("import", "import"),
+      ("construction", "construct"), ("group 1", "group1"), ("group 2", "group2"),
+      ("group 3", "group3"))]),
+)
+# fmt: on
 
 
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
+def _cells(e: dict[str, Any], field: str, fmt: Callable[[float], str]) -> list[str]:
+    """The approach, then the median and range of ``e[field]``."""
+    f = e[field]
+    return [LABELS[e["impl"]], fmt(f["median"]), f"{fmt(f['min'])} .. {fmt(f['max'])}"]
+
+
+def _section(title: str, header: str, rows: list[list[str]]) -> list[str]:
+    cols = header.split("|")
+    lines = ["", f"### {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows] if rows else []
 
 
 def render(results: dict[str, Any]) -> str:
-    """The tables (Markdown) for the terminal and the README."""
-    meta, summary = results["meta"], results["summary"]
-    m = meta["machine"]
+    """The tables (Markdown) for the terminal and the README, which explains the columns."""
+    meta, summary, m = results["meta"], results["summary"], results["meta"]["machine"]
     lines = [
         f"Command: `{meta['command'].strip()}` — started {meta['started']}, "
         f"took {meta['runtime_seconds']:.0f} s.",
         f"Machine: {m['cpu']}, nproc {m['nproc']}, Python {m['python']}, torch {m['torch']}, "
         f"{m['platform']}; load average {meta['load_average_before'][0]:.1f} before, "
-        f"{meta['load_average_after'][0]:.1f} after.",
-        "",
+        f"{meta['load_average_after'][0]:.1f} after{meta['note']}.",
     ]
-    setup = summary["setup"]
-    main_worlds = set(meta["config"]["setup_worlds"])
-    if setup:
-        lines += [
-            "### (a) setup: construct the mesh and get this rank's group along every axis",
-            "",
-            "`fake` backend, rank = world/2. new_group calls = calls of torch's "
-            "`_new_process_group_helper`; *in torch's helper* = the time spent inside those "
-            "calls; groups registered = growth of `pg_map`.",
-            "",
-        ]
-        rows = []
-        for e in setup:
-            if e["world"] not in main_worlds:
-                continue
-            sm = _find(setup, impl="scopedmesh", axes=e["axes"], world=e["world"])
-            vs = f"{e['seconds']['median'] / sm['seconds']['median']:,.0f}x" if sm else "—"
-            peak = e["peak_bytes"]
-            rows.append(
-                [
-                    "x".join(map(str, e["shape"])),
-                    _pow(e["world"]),
-                    LABELS[e["impl"]],
-                    fmt_seconds(e["seconds"]["median"]),
-                    _spread(e["seconds"], fmt_seconds),
-                    vs,
-                    fmt_seconds(e["helper_seconds"]["median"]),
-                    _values(e["helper_calls"]),
-                    _values(e["groups_registered"]),
-                    fmt_bytes(peak["median"]) + ("" if peak["n"] > 1 else " (1 run)")
-                    if peak
-                    else "—",
-                    str(e["seconds"]["n"]),
-                ]
-            )
-        lines += _table(
-            [
-                "shape",
-                "world",
-                "approach",
-                "time (median)",
-                "min .. max",
-                "÷ scopedmesh",
-                "in torch's helper",
-                "new_group calls",
-                "groups registered",
-                "peak memory",
-                "runs",
-            ],
-            rows,
-        )
-        lines += ["", "### (e) scaling: setup time as the world doubles (3 axes)", ""]
-        rows = []
-        base = _find(setup, impl="scopedmesh", axes=3, world=min(e["world"] for e in setup))
-        for world in sorted({e["world"] for e in setup if e["axes"] == 3}):
-            sm = _find(setup, impl="scopedmesh", axes=3, world=world)
-            dm = _find(setup, impl="devicemesh", axes=3, world=world)
-            rows.append(
-                [
-                    _pow(world),
-                    fmt_seconds(sm["seconds"]["median"]) if sm else "—",
-                    fmt_seconds(sm["own_seconds"]["median"]) if sm else "—",
-                    fmt_seconds(dm["seconds"]["median"]) if dm else "stopped",
-                    f"{dm['seconds']['median'] / sm['seconds']['median']:,.0f}x"
-                    if sm and dm
-                    else "—",
-                    f"{sm['seconds']['median'] / base['seconds']['median']:.2f}x"
-                    if sm and base
-                    else "—",
-                    f"{sm['own_seconds']['median'] / base['own_seconds']['median']:.2f}x"
-                    if sm and base
-                    else "—",
-                    f"{sm['seconds']['n'] if sm else 0}/{dm['seconds']['n'] if dm else 0}",
-                ]
-            )
-        lines += _table(
-            [
-                "world",
-                "scopedmesh",
-                "scopedmesh without torch's helper",
-                "DeviceMesh",
-                "DeviceMesh ÷ scopedmesh",
-                "scopedmesh ÷ smallest world",
-                "same, without torch's helper",
-                "runs",
-            ],
-            rows,
-        )
-        for s in results["stopped"]:
-            lines.append(
-                f"\n{LABELS[s['impl']]} ({s['axes']} axes) stopped at {_pow(s['world'])}: "
-                f"{s['reason']}."
-            )
-        if not results["stopped"]:
-            lines += [
-                "",
-                f"No series stopped: every run finished within the {meta['config']['budget']:g} s budget.",
-            ]
-    for case, title, unit in (
-        ("lookup", "(b) cached lookup of the `tp` group", "per call"),
-        ("submesh", "(c) sub-mesh over (`pp`, `tp`)", "per call"),
-    ):
-        entries = summary[case]
-        if not entries:
-            continue
-        lines += ["", f"### {title} at world {_pow(entries[0]['world'])}", ""]
-        sm = _find(entries, impl="scopedmesh")
-        rows = []
+    s, sm, rows = summary["setup"], {"impl": "scopedmesh"}, []
+    for e in (e for e in s if e["world"] in meta["config"]["setup_worlds"]):
+        ratio = _x(e["seconds"]["median"], _med(s, **sm, axes=e["axes"], world=e["world"]))
+        peak = e.get("peak_bytes")
+        memory = fmt_bytes(peak["median"]) + " (1 run)" * (peak["n"] == 1) if peak else "—"
+        rows.append(["x".join(map(str, e["shape"])), _pow(e["world"]), *_cells(e, "seconds", fmt_seconds), ratio])  # fmt: skip
+        rows[-1] += [fmt_seconds(e["helper_seconds"]["median"]), fmt_count(e["helper_calls"])]
+        rows[-1] += [fmt_count(e["groups_registered"]), memory, str(e["seconds"]["n"])]
+    head = "shape|world|approach|time (median)|min .. max|÷ scopedmesh|in torch's helper"
+    head += "|new_group calls|groups registered|peak memory|runs"
+    lines += _section("(a) setup: construct the mesh and get this rank's group along every axis", head, rows)  # fmt: skip
+    rows, worlds = [], sorted({e["world"] for e in s if e["axes"] == 3})
+    for world in worlds:
+        e, base = (_find(s, **sm, axes=3, world=w) for w in (world, worlds[0]))
+        dm = _med(s, impl="devicemesh", axes=3, world=world)
+        keys = ("seconds", "own_seconds", "helper_seconds", "copy_seconds")
+        if e and base:
+            rows.append([_pow(world), *(fmt_seconds(e[k]["median"]) for k in keys)])
+            rows[-1] += [_x(e[k]["median"], base[k]["median"], 2) for k in keys[1::-1] + keys[3:]]
+            rows[-1] += [fmt_seconds(dm) if dm else "stopped", _x(dm, e["seconds"]["median"])]
+            rows[-1] += [str(e["seconds"]["n"])]
+    head = "world|scopedmesh|own time|in torch's helper|per-member copy|own ÷ smallest world"
+    head += "|total ÷ smallest world|copy ÷ smallest world|DeviceMesh|DeviceMesh ÷ scopedmesh|runs"
+    lines += _section("(e) scaling: setup time as the world doubles (3 axes)", head, rows)
+    for x in results["stopped"]:
+        lines += ["", f"{LABELS[x['impl']]} ({x['axes']} axes) stopped at {_pow(x['world'])}: {x['reason']}."]  # fmt: skip
+    if s and not results["stopped"]:
+        budget = meta["config"]["budget"]
+        lines += ["", f"No series stopped: every run finished within the {budget:g} s budget."]
+    for case, title, field, ratios, more in TABLES:
+        entries, fmt, rows = summary[case], fmt_ns if field == "ns_per_call" else fmt_seconds, []
         for e in entries:
-            vs = f"{e['ns_per_call']['median'] / sm['ns_per_call']['median']:,.1f}x" if sm else "—"
-            row = [
-                LABELS[e["impl"]],
-                fmt_ns(e["ns_per_call"]["median"]),
-                _spread(e["ns_per_call"], fmt_ns),
-                vs,
-            ]
-            if case == "lookup":
-                row.append(f"`{e['stmt']}`")
-            else:
-                row += [
-                    fmt_ns(e["scope_ns_per_call"]["median"]),
-                    fmt_ns(e["slice_ns_per_call"]["median"]),
-                    fmt_seconds(e["first_seconds"]["median"]),
-                ]
-            rows.append([*row, str(e["ns_per_call"]["n"])])
-        header = ["approach", f"time {unit} (median)", "min .. max", "÷ scopedmesh"]
-        header += (
-            ["statement"] if case == "lookup" else ["with close()", "`mesh[...]`", "first call"]
-        )
-        lines += _table([*header, "runs"], rows)
-        if case == "submesh":
-            lines += [
-                "",
-                "Per call: scopedmesh's `mesh.submesh('pp', 'tp')` (left open) vs DeviceMesh's "
-                "`mesh['pp', 'tp']`. *with close()* is a whole scope for scopedmesh, "
-                "`mesh.submesh('pp', 'tp').close()`; *`mesh[...]`* is slicing, which for "
-                "scopedmesh returns the open sub-mesh it made before. *first call* is each "
-                "one's first sub-mesh.",
-            ]
-    real = summary["real"]
-    if real:
-        lines += [
-            "",
-            f"### (d) real processes: gloo world of {real[0]['world']} over loopback, "
-            f"shape {'x'.join(map(str, real[0]['shape']))}",
-            "",
-            "Time from a barrier until a first all_reduce has completed on every "
-            "single-axis group, max over ranks. The approaches share each world, one after "
-            "another, in an order rotated run by run.",
-            "",
-        ]
-        sm = _find(real, impl="scopedmesh")
-        rows = [
-            [
-                LABELS[e["impl"]],
-                fmt_seconds(e["seconds"]["median"]),
-                _spread(e["seconds"], fmt_seconds),
-                f"{e['seconds']['median'] / sm['seconds']['median']:.2f}x" if sm else "—",
-                str(e["seconds"]["n"]),
-            ]
-            for e in real
-        ]
-        lines += _table(["approach", "time (median)", "min .. max", "÷ scopedmesh", "runs"], rows)
-    lines += ["", "### Targets", ""]
+            rows.append(_cells(e, field, fmt))
+            rows[-1] += [_x(e[field]["median"], _med(entries, field, impl=i), d) for i, d in ratios.items()]  # fmt: skip
+            rows[-1] += [f(e[k]["median"] if isinstance(e[k], dict) else e[k]) for _, k, f in more]
+            rows[-1] += [str(e[field]["n"])]
+        head = ["approach", f"time{' per call' * (fmt is fmt_ns)} (median)", "min .. max"]
+        head += [f"÷ {LABELS[i]}" for i in ratios] + [h for h, _, _ in more] + ["runs"]
+        if entries:
+            e = entries[0]
+            where = title.format(p=_pow(e["world"]), w=e["world"], s="x".join(map(str, e["shape"])))
+            lines += _section(where, "|".join(head), rows)
     verdict = {True: "met", False: "**missed**", None: "not measured"}
-    lines += _table(
-        ["case", "target", "figure", "verdict"],
-        [
-            [t["case"], t["target"], t["figure"], "—" if t["diagnostic"] else verdict[t["met"]]]
-            for t in results["targets"]
-        ],
-    )
+    rows = [[t["case"], t["target"], t["figure"], "—" if t["diagnostic"] else verdict[t["met"]]] for t in results["targets"]]  # fmt: skip
+    lines += _section("Targets", "case|target|figure|verdict", rows)
     if results["errors"]:
         lines += ["", f"{len(results['errors'])} run(s) failed; see `errors` in the JSON."]
     return "\n".join(lines)

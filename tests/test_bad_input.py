@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import _workers_reliability as workers
+import _workers_bad_input as workers
+import _workers_replay
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,7 +38,7 @@ from scopedmesh.layout import MeshLayout
 from scopedmesh.testing import run_world
 
 ROOT = Path(scopedmesh.__file__).resolve().parent.parent
-WORKERS = Path(workers.__file__).resolve()
+REPLAY = Path(_workers_replay.__file__).resolve()
 JUNK = workers.junk_strategy(st)
 FAST = settings(
     max_examples=300, database=None, deadline=None, suppress_health_check=list(HealthCheck)
@@ -188,8 +189,8 @@ def _cli_fuzz(config: settings) -> dict[str, int]:
     @config
     @given(st.randoms(use_true_random=False))
     def run(rng: random.Random) -> None:
-        argv = workers.cli_argv(rng)
-        outcome = workers.cli_outcome(main, argv)
+        argv = _workers_replay.cli_argv(rng)
+        outcome = _workers_replay.cli_outcome(main, argv)
         counts["tried"] += 1
         counts["usage_errors"] += outcome[0] == "rejected"
         _check(outcome, f"main({argv!r})")
@@ -266,7 +267,7 @@ def _replay(count: int, seed: int, optimize: bool) -> dict[str, Any]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    command = [sys.executable, *(["-O"] if optimize else []), str(WORKERS), "replay"]
+    command = [sys.executable, *(["-O"] if optimize else []), str(REPLAY), "replay"]
     command += ["--seed", str(seed), "--count", str(count)]
     done = subprocess.run(
         command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False
@@ -301,9 +302,9 @@ def test_bad_input_corpus_under_python_O_long() -> None:
 
 
 def test_corpus_is_fixed_by_its_seed() -> None:
-    first = [(e, repr(a)) for e, a in workers.corpus(0, 200)]
-    assert first == [(e, repr(a)) for e, a in workers.corpus(0, 200)]
-    entries = {e for e, _ in workers.corpus(0, 3000)}
+    first = [(e, repr(a)) for e, a in _workers_replay.corpus(0, 200)]
+    assert first == [(e, repr(a)) for e, a in _workers_replay.corpus(0, 200)]
+    entries = {e for e, _ in _workers_replay.corpus(0, 3000)}
     assert {"MeshLayout", "ProcessGroupMesh", "cli", "layout_of", "to_device_mesh"} <= entries
     assert {
         f"ProcessGroupMesh.{m}" for m in workers.public_methods(scopedmesh.ProcessGroupMesh)

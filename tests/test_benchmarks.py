@@ -67,12 +67,32 @@ def test_every_case_and_approach_ran_without_errors(smoke: dict[str, Any]) -> No
         for impl in ("scopedmesh", "devicemesh"):
             assert ("setup", impl, world, 3) in ran
     for impl in ("scopedmesh", "devicemesh", "naive", "dict"):
-        assert ("lookup", impl, config.lookup_world, 3) in ran
+        assert ("lookup", impl, config.world, 3) in ran
     for impl in ("scopedmesh", "devicemesh"):
-        assert ("submesh", impl, config.submesh_world, 3) in ran
+        assert ("submesh", impl, config.world, 3) in ran
+    for impl in ("scopedmesh", "floor"):
+        assert ("coldstart", impl, config.world, 3) in ran
     (real,) = [r for r in smoke["raw"] if r["case"] == "real"]
-    assert set(real["seconds"]) == {"scopedmesh", "devicemesh", "naive"}
+    assert set(real["seconds"]) == {"scopedmesh", "devicemesh", "naive", "floor"}
     assert len(real["per_rank"]) == math.prod(config.real_shape)
+    assert {r["torch_threads"] for r in smoke["raw"]} == {1}
+
+
+def test_cold_start_is_broken_down_and_adds_up(smoke: dict[str, Any]) -> None:
+    for run in (r for r in smoke["raw"] if r["case"] == "coldstart"):
+        steps = ["import", "construct", "group1", "group2", "group3"]
+        parts = [run[f"{step}_seconds"] for step in steps]
+        assert all(p >= 0 for p in parts) and run["seconds"] == pytest.approx(sum(parts)), run
+        if run["impl"] == "floor":  # nothing to import or construct
+            assert parts[:2] == [0.0, 0.0], run
+
+
+def test_torch_copy_is_measured_beside_scopedmesh_own_time(smoke: dict[str, Any]) -> None:
+    for run in _setup_runs(smoke, "scopedmesh"):
+        assert 0 < run["copy_seconds"] and 0 < run["helper_seconds"] < run["seconds"], run
+    for entry in (e for e in smoke["summary"]["setup"] if e["impl"] == "scopedmesh"):
+        own, total = entry["own_seconds"]["median"], entry["seconds"]["median"]
+        assert own == pytest.approx(total - entry["helper_seconds"]["median"]), entry
 
 
 def test_scopedmesh_makes_exactly_one_new_group_call_per_requested_group(
@@ -111,9 +131,10 @@ def test_results_carry_machine_command_summary_and_targets(smoke: dict[str, Any]
     assert {e["impl"] for e in summary["setup"]} == {"scopedmesh", "devicemesh", "naive"}
     for entry in summary["setup"]:
         assert entry["seconds"]["min"] <= entry["seconds"]["median"] <= entry["seconds"]["max"]
-    assert {t["case"] for t in smoke["targets"]} == {"a", "b", "c", "d"}
+    assert {t["case"] for t in smoke["targets"]} == {"a", "b", "c", "d", "f"}
     assert all(t["met"] is not None for t in smoke["targets"]), smoke["targets"]
-    for heading in ("(a) setup", "(e) scaling", "(b) cached lookup", "(c) sub-mesh", "(d) real"):
+    headings = ("(a) setup", "(e) scaling", "(b) cached lookup", "(c) sub-mesh", "(d) real")
+    for heading in (*headings, "(f) cold start", "÷ floor", "per-member copy"):
         assert heading in smoke["stdout"]
         assert heading in smoke["markdown"]
     assert "### Targets" in smoke["stdout"]
@@ -143,8 +164,8 @@ def test_update_readme_replaces_only_between_markers(tmp_path: Path) -> None:
 
 
 def test_docstring_examples() -> None:
-    from benchmarks import run
+    from benchmarks import cases, harness, run
 
-    for module in (report, run):
+    for module in (report, run, cases, harness):
         failed, _ = doctest.testmod(module)
         assert failed == 0, module.__name__

@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _workers_reliability as workers
+import _workers_ci
+import _workers_death
+import _workers_independence
+import _workers_soak
 import pytest
 
 from scopedmesh.testing import WorldError, free_port, run_world
@@ -69,7 +72,7 @@ def test_soak_short(ci: dict[str, Any]) -> None:
 @pytest.mark.slow
 def test_soak_long() -> None:
     """1,000 cycles (4,000 groups made and destroyed per rank), in a world of its own."""
-    results = run_world(workers.soak, WORLD, args=(1000, 5), timeout=1800, init_timeout=60)
+    results = run_world(_workers_soak.soak, WORLD, args=(1000, 5), timeout=1800, init_timeout=60)
     _check_soak(results, 1000, rss_bound_mib=64)
 
 
@@ -78,7 +81,7 @@ def test_soak_long() -> None:
 
 @pytest.fixture(scope="module")
 def ci(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One 4-rank world runs workers.ci_world; the tests below read its reports.
+    """One 4-rank world runs _workers_ci.ci_world; the tests below read its reports.
 
     Its last section kills rank 3 inside a scope, so the launcher raises.
     """
@@ -87,7 +90,7 @@ def ci(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     error: WorldError | None = None
     try:
         run_world(
-            workers.ci_world,
+            _workers_ci.ci_world,
             WORLD,
             args=(free_port(), str(outdir), 50, 25, 3),
             timeout=600,
@@ -296,7 +299,7 @@ def test_store_host_death_inside_scope(tmp_path: Path) -> None:
     error: WorldError | None = None
     try:
         run_world(
-            workers.death_world,
+            _workers_death.death_world,
             WORLD,
             args=(0, str(tmp_path)),
             timeout=300,
@@ -314,11 +317,11 @@ def test_store_host_death_inside_scope(tmp_path: Path) -> None:
 
 def test_schedules_are_identical_on_every_rank() -> None:
     """A schedule is a pure function of its seed (ranks rebuild it independently)."""
-    assert workers.schedule(7, 12) == workers.schedule(7, 12)
-    kinds = {op[0] for s in range(50) for op in workers.schedule(s, 12)}
+    assert _workers_independence.schedule(7, 12) == _workers_independence.schedule(7, 12)
+    kinds = {op[0] for s in range(50) for op in _workers_independence.schedule(s, 12)}
     assert kinds == {"open", "request", "sub", "close"}
     for s in range(50):  # every mesh a schedule opens, it closes
-        ops = workers.schedule(s, 12)
+        ops = _workers_independence.schedule(s, 12)
         for name in "AB":
             opens = sum(1 for k, n, _ in ops if n == name and k == "open")
             closes = sum(1 for k, n, _ in ops if n == name and k == "close")
@@ -348,6 +351,6 @@ def test_independence_of_overlapping_meshes(ci: dict[str, Any]) -> None:
 def test_independence_of_overlapping_meshes_long() -> None:
     """100 interleavings, in a world of their own."""
     results = run_world(
-        workers.independence, WORLD, args=(100, 12, 1), timeout=900, init_timeout=60
+        _workers_independence.independence, WORLD, args=(100, 12, 1), timeout=900, init_timeout=60
     )
     _check_independence(results, 100, seed=1)

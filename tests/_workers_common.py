@@ -1,0 +1,43 @@
+"""Helpers shared by the worker modules of the reliability and bad-input suites."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh import _c10d
+
+NAMES = ("dp", "tp")
+
+
+def rss_kib() -> int:
+    """This process's resident set size in KiB, from /proc/self/status (VmRSS)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS line in /proc/self/status")
+
+
+def live() -> int:
+    return _c10d.live_group_count()
+
+
+def summed(group: dist.ProcessGroup) -> int:
+    """All-reduce a one on ``group``: the number of members that took part."""
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def error_of(exc: BaseException) -> dict[str, str]:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def destroy_all_but_world() -> None:
+    """Destroy every process group torch holds except WORLD (after a leak, to go on)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        if pg is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(pg)
