@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from scopedmesh.mesh import ProcessGroupMesh
     from scopedmesh.nodes import node_aware_mesh, world_nodes
     from scopedmesh.placement import node_aware_ranks
-    from scopedmesh.shrink import shrink
+    from scopedmesh.survivors import shrink
 
 __all__ = [
     "AxisError",
@@ -58,7 +58,7 @@ _LAZY = MappingProxyType(
         "node_aware_mesh": "scopedmesh.nodes",
         "world_nodes": "scopedmesh.nodes",
         "node_aware_ranks": "scopedmesh.placement",
-        "shrink": "scopedmesh.shrink",
+        "shrink": "scopedmesh.survivors",
     }
 )
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -47,8 +48,11 @@ __all__ = [
     "live_groups",
     "new_member_group",
     "private_path_supported",
+    "unusable_backend",
 ]
 
+# The helper's parameters that named group creation passes. The options parameter
+# is called ``backend_options`` in torch 2.6 and later, ``pg_options`` in 2.4; both work.
 _HELPER_PARAMETERS = (
     "group_size",
     "group_rank",
@@ -56,11 +60,13 @@ _HELPER_PARAMETERS = (
     "backend",
     "store",
     "group_name",
-    "backend_options",
     "timeout",
     "device_id",
     "group_desc",
 )
+_HELPER_OPTIONS = ("backend_options", "pg_options")
+# Backends that need a CUDA device to construct a group at all.
+_CUDA_BACKENDS = frozenset({"nccl"})
 FALLBACK_WARNING = (
     "scopedmesh does not recognise this torch's process-group internals; it falls back to "
     "public new_group(use_local_synchronization=True). Re-creating a group over the same "
@@ -70,21 +76,45 @@ FALLBACK_WARNING = (
 )
 
 
+def _helper_parameters() -> tuple[str, ...]:
+    """The parameter names of torch's group-construction helper; empty if it is missing."""
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    # torch wraps many c10d functions in functools.wraps loggers (_time_logger, ...):
+    # judge the function underneath, not the wrapper's (*args, **kwargs).
+    code = getattr(inspect.unwrap(helper), "__code__", None) if helper is not None else None
+    if code is None:
+        return ()
+    return tuple(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+
+
 def private_path_supported() -> bool:
     """Whether this torch has the internals that named group creation relies on."""
-    helper = getattr(c10d, "_new_process_group_helper", None)
     world = getattr(c10d, "_world", None)
-    if helper is None or world is None or not hasattr(c10d, "_get_default_store"):
+    if world is None or not hasattr(c10d, "_get_default_store"):
         return False
     if not all(hasattr(world, attr) for attr in ("pg_map", "pg_names", "pg_group_ranks")):
         return False
-    # torch wraps many c10d functions in functools.wraps loggers (_time_logger, ...):
-    # judge the function underneath, not the wrapper's (*args, **kwargs).
-    code = getattr(inspect.unwrap(helper), "__code__", None)
-    if code is None:
-        return False
-    parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-    return all(name in parameters for name in _HELPER_PARAMETERS)
+    parameters = _helper_parameters()
+    return all(name in parameters for name in _HELPER_PARAMETERS) and any(
+        name in parameters for name in _HELPER_OPTIONS
+    )
+
+
+def unusable_backend(backend: str) -> str | None:
+    """Why ``backend`` cannot construct a group on this host, or ``None`` if it can.
+
+    A CUDA build of torch has NCCL compiled in, so ``is_backend_available("nccl")``
+    says yes on a host without a GPU; the group would then fail inside torch's
+    constructor. Ask before: that failure is about the host, not about the members.
+
+    >>> unusable_backend("gloo") is None
+    True
+    """
+    for part in backend.lower().split(","):
+        name = part.split(":")[-1].strip()
+        if name in _CUDA_BACKENDS and not torch.cuda.is_available():
+            return f"{name!r} needs a CUDA device and this host has none visible to torch"
+    return None
 
 
 class RankMap(Mapping[int, int]):
@@ -148,24 +178,27 @@ def group_name(ranks: Sequence[int], backend: str, generation: int) -> str:
     return f"scopedmesh-{digest}-{generation}"
 
 
+def _is_fake(backend: str) -> bool:
+    """Whether ``backend`` is torch's fake backend: one process, no rendezvous, no counting store."""
+    return backend.lower() == "fake"
+
+
 def _next_generation(ranks: Sequence[int], backend: str) -> tuple[int, str]:
     """This rank's count of incarnations of the group, kept in the distributed store, and the
     incarnation's name (one hash of the ranks per formation)."""
     key = group_name(ranks, backend, 0)
     stem = key[:-1]  # "scopedmesh-<digest>-"
-    store = c10d._get_default_store()
-    try:
-        generation = int(store.add(f"{key}/generation/{dist.get_rank()}", 1))
+    if _is_fake(backend):
+        # The fake backend's FakeStore cannot count (its add raises up to torch 2.13 and
+        # returns 1 from 2.14 on); nothing rendezvous there, so the first name free in
+        # this process is safe.
+        taken = set(c10d._world.pg_names.values())
+        generation = 1
+        while f"{stem}{generation}" in taken:
+            generation += 1
         return generation, f"{stem}{generation}"
-    except RuntimeError:
-        if backend != dist.Backend.FAKE:
-            raise
-    # The fake backend's FakeStore cannot count; nothing rendezvous there, so the
-    # first name free in this process is safe.
-    taken = set(c10d._world.pg_names.values())
-    generation = 1
-    while f"{stem}{generation}" in taken:
-        generation += 1
+    store = c10d._get_default_store()
+    generation = int(store.add(f"{key}/generation/{dist.get_rank()}", 1))
     return generation, f"{stem}{generation}"
 
 
@@ -177,6 +210,8 @@ def _catch_up(ranks: Sequence[int], backend: str, generation: int) -> None:
     form again. compare_set moves only a member still at ``generation - 1``; one
     that asked meanwhile already counted it. Store requests only, no collective.
     """
+    if _is_fake(backend):  # no counters to align
+        return
     key = group_name(ranks, backend, 0)
     try:
         store = c10d._get_default_store()
@@ -199,12 +234,17 @@ def new_member_group(
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
 
     The caller must be a member; non-members get ``None`` whatever torch's version
-    returns for them (``None`` in 2.13, ``GroupMember.NON_GROUP_MEMBER`` in 2.14).
+    returns for them (``None`` up to 2.13, ``GroupMember.NON_GROUP_MEMBER`` from 2.14).
+    A backend that cannot run on this host (NCCL without a CUDA device) is a
+    ``ValueError`` before any group is made.
     """
     ranks = canonical_ranks(ranks)
     rank = dist.get_rank()
     if rank not in ranks:
         return None
+    problem = unusable_backend(str(backend))
+    if problem is not None:  # torch's own failure would read like a formation failure
+        raise ValueError(f"backend {backend!r} cannot form a group on this host: {problem}")
     default_pg = c10d._get_default_group()
     if not private_path_supported() or callable(getattr(default_pg, "new_group", None)):
         warnings.warn(FALLBACK_WARNING, RuntimeWarning, stacklevel=3)
@@ -221,6 +261,9 @@ def new_member_group(
     make_name: Any = getattr(c10d, "GroupName", str)
     generation, name = _next_generation(ranks, str(backend_enum))
     store = _formation_store(backend_enum)
+    parameters = _helper_parameters()
+    # Pass only what this torch's helper takes (see _HELPER_OPTIONS).
+    options_name = "backend_options" if "backend_options" in parameters else "pg_options"
     try:
         group, _ = c10d._new_process_group_helper(
             len(ranks),
@@ -229,17 +272,17 @@ def new_member_group(
             backend_enum,
             store,
             make_name(name),
-            backend_options=pg_options,
             timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
             device_id=default_pg.bound_device_id,
             group_desc=description,
+            **{options_name: pg_options},
         )
     except Exception:
         _catch_up(ranks, str(backend_enum), generation)
         raise
     rank_map = RankMap(ranks) if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}
     c10d._world.pg_group_ranks[group] = rank_map  # type: ignore[assignment]  # read as a Mapping
-    if backend_enum != dist.Backend.FAKE:  # fake members never rendezvous: nobody to wait for
+    if not _is_fake(str(backend_enum)):  # fake members never rendezvous: nobody to wait for
         try:
             _all_formed(
                 store,
@@ -266,7 +309,7 @@ def _formation_store(backend: str) -> c10d.Store:
     backend while the group lives). A single-threaded process pays nothing.
     """
     store = c10d._get_default_store()
-    if threading.active_count() == 1 or backend == dist.Backend.FAKE:
+    if threading.active_count() == 1 or _is_fake(str(backend)):  # torch 2.9 has no Backend.FAKE
         return store
     clone: Any = getattr(store, "clone", None)
     try:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -132,13 +133,7 @@ class GroupCache(Scope):
                 description=f"scopedmesh:{what}",
             )
         except RuntimeError as error:
-            waited = f" within {self._timeout}" if self._timeout is not None else ""
-            raise GroupFormationError(
-                f"could not form the {backend} process group along {what} over ranks "
-                f"{list(ranks)}{waited}. Likely cause: a member never requested this group, or "
-                "members requested overlapping groups in different orders (every member must "
-                f"request the same groups in the same order). torch said: {error}"
-            ) from error
+            raise formation_error(backend, what, ranks, self._timeout, error) from error
         entry = Entry((ranks, backend), group, options)
         self._registry[entry.key] = entry
         self._created.append(entry)
@@ -164,3 +159,37 @@ def plain_axes(axis: object) -> bool:
     if cls is int or cls is str:
         return True
     return cls is tuple and all(a.__class__ is int or a.__class__ is str for a in axis)  # type: ignore[attr-defined]
+
+
+# Words of torch's store and gloo's transport when members did not meet in time.
+_MEETING_FAILURES = ("timeout", "timed out", "connection", "connect", "peer")
+
+
+def formation_error(
+    backend: str,
+    what: str,
+    ranks: Sequence[int],
+    timeout: timedelta | None,
+    error: RuntimeError,
+) -> GroupFormationError:
+    """The error for a group that could not be made, with the likely cause.
+
+    Members that did not meet (a wait or a connection failed) and a backend that
+    failed on its own (say, NCCL without a CUDA device) read differently.
+
+    >>> str(formation_error("nccl", "axis 'dp'", [0, 1], None, RuntimeError("no GPU")))
+    "the nccl backend failed to make the process group along axis 'dp' over ranks [0, 1]: no GPU"
+    """
+    text = str(error)
+    if not any(word in text.lower() for word in _MEETING_FAILURES):
+        return GroupFormationError(
+            f"the {backend} backend failed to make the process group along {what} over "
+            f"ranks {list(ranks)}: {text}"
+        )
+    waited = f" within {timeout}" if timeout is not None else ""
+    return GroupFormationError(
+        f"could not form the {backend} process group along {what} over ranks "
+        f"{list(ranks)}{waited}. Likely cause: a member never requested this group, a member "
+        "died, or members requested overlapping groups in different orders (every member "
+        f"must request the same groups in the same order). torch said: {text}"
+    )

@@ -10,6 +10,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from scopedmesh._c10d import unusable_backend
+
 __all__ = ["MAX_TIMEOUT", "check_backend", "check_timeout"]
 
 MAX_TIMEOUT = timedelta(microseconds=2**63 - 1)  # about 292,000 years
@@ -39,6 +41,9 @@ def check_backend(backend: object, argument: str) -> str | None:
             f"{argument} {backend!r} is not available in this torch build ({missing[0]!r} is "
             "unknown or not compiled in); use e.g. 'gloo', or 'nccl' on a CUDA build"
         )
+    problem = unusable_backend(name)
+    if problem is not None:  # e.g. NCCL in a CUDA build on a host without a GPU
+        raise ValueError(f"{argument} {backend!r} cannot form a group on this host: {problem}")
     return name
 
 

@@ -26,7 +26,7 @@ from scopedmesh import _c10d
 from scopedmesh.errors import LostRankError
 from scopedmesh.layout import Axis
 from scopedmesh.mesh import ProcessGroupMesh
-from scopedmesh.shrink import shrink
+from scopedmesh.survivors import shrink
 
 __all__ = ["LostRankError", "agree_on_lost", "reform"]  # LostRankError lives in errors
 
@@ -37,7 +37,7 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
     """Close ``mesh`` (if still open) and return the mesh of its survivors along ``axis``.
 
     Every slice of ``axis`` holding a rank in ``lost`` is dropped (see
-    :func:`scopedmesh.shrink.shrink`); the new mesh keeps the names, backend,
+    :func:`scopedmesh.survivors.shrink`); the new mesh keeps the names, backend,
     timeout and group options of ``mesh``. Closing is local and the new mesh
     makes no group until asked, so nothing here communicates. Every survivor
     must call it with the same ``lost`` and ``axis``; ranks that lose their

@@ -50,8 +50,16 @@ def probe(shapes: list[list[int]]) -> dict[str, Any]:
                     "pairs": {},
                 }
                 for i, j in pairs:
-                    flat = dm[(names[i], names[j])]._flatten(f"{names[i]}_{names[j]}")
-                    entry["pairs"][f"{i},{j}"] = dist.get_process_group_ranks(flat.get_group())
+                    try:
+                        flat = dm[(names[i], names[j])]._flatten(f"{names[i]}_{names[j]}")
+                        members = dist.get_process_group_ranks(flat.get_group())
+                    except RuntimeError as error:
+                        # torch 2.9, after an earlier fake world: the flattened group is
+                        # not registered; the test accepts None only there.
+                        if "Could not resolve the process group" not in str(error):
+                            raise
+                        members = None
+                    entry["pairs"][f"{i},{j}"] = members
                 ranks.append(entry)
                 if rank == 0:
                     mesh = dm.mesh

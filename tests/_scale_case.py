@@ -118,6 +118,9 @@ def fake_store() -> dict[str, Any]:
     """torch's FakeStore cannot count: the generation falls back to the first free name."""
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
     out: dict[str, Any] = {"initial": _c10d.live_group_count()}
+    counted: list[int] = []
+    out["store_add"] = error_text(lambda: counted.append(FakeStore().add("k", 1)))
+    out["store_add_returned"] = counted
     with ProcessGroupMesh(*SHAPE, names=NAMES) as mesh:
         tp = mesh.get_group_along_axis("tp")
         out["tp"] = _ranks(tp)

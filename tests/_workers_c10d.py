@@ -1,12 +1,14 @@
 """Worker functions for tests/test_c10d.py: the torch hazards of DESIGN.md, on gloo.
 
-One world of 4 ranks runs the phases below in order (see ``C10D_CHECKS``). In
-the first phase ranks 0 and 1 reproduce the public re-creation hazard while
-ranks 2 and 3 run the single-pair checks; the last phase kills rank 3.
+One world of 4 ranks runs the phases below in order (see ``C10D_CHECKS``). The
+first phase tries the public fallback while every rank has the same history; in
+the second, ranks 0 and 1 reproduce the public re-creation hazard while ranks 2
+and 3 run the single-pair checks; the last phase kills rank 3.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -15,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from _workers_mesh import Check, error_text, members, record_new_groups, run_checks, total
 from torch.distributed import distributed_c10d as c10d
@@ -48,7 +51,7 @@ def _generation(group: dist.ProcessGroup) -> int:
     return int(match.group(2))
 
 
-# ------------------------------------------------------------------ phase 1
+# ------------------------------------------------------------------ phase 2
 
 
 def public_hazards_and_pins(rank: int, world_size: int) -> dict[str, Any]:
@@ -62,13 +65,14 @@ def public_hazards_and_pins(rank: int, world_size: int) -> dict[str, Any]:
         "non_members": _non_members(rank),
         "names": _names(rank),
         "formation_ends_together": _formation_ends_together(rank),
+        "gpu_less_nccl": _gpu_less_nccl(rank),
     }
 
 
 def _public_recipe(rank: int) -> dict[str, Any]:
     """Hazard 1 with public new_group: create [0, 1] -> all_reduce -> destroy, skewed."""
     out: dict[str, Any] = {"failed": False, "cycle": None, "stage": None, "error": None}
-    sums = []
+    sums, names = [], []
     for cycle in range(PUBLIC_CYCLES):
         group = None
         stage = "new_group"
@@ -76,6 +80,7 @@ def _public_recipe(rank: int) -> dict[str, Any]:
             group = dist.new_group(
                 [0, 1], timeout=timedelta(seconds=PUBLIC_TIMEOUT), use_local_synchronization=True
             )
+            names.append(group.group_name)
             stage = "all_reduce"
             sums.append(total(group))
             _skew(rank)
@@ -89,6 +94,7 @@ def _public_recipe(rank: int) -> dict[str, Any]:
                 dist.destroy_process_group(group)
             break
     out["sums"] = sums
+    out["names"] = names
     return out
 
 
@@ -97,10 +103,16 @@ def _duplicates_public(rank: int) -> dict[str, Any]:
     first = dist.new_group([2, 3], use_local_synchronization=True)
     second = dist.new_group([2, 3], use_local_synchronization=True)
     sums = [total(first), total(second)]
+    names = [first.group_name, second.group_name]
     dist.destroy_process_group(first)
-    again = error_text(lambda: dist.new_group([2, 3], use_local_synchronization=True))
+    made: list[dist.ProcessGroup] = []
+    again = error_text(lambda: made.append(dist.new_group([2, 3], use_local_synchronization=True)))
+    for group in made:  # on releases where torch names it afresh, it works: clean it up too
+        names.append(group.group_name)
+        sums.append(total(group))
+        dist.destroy_process_group(group)
     dist.destroy_process_group(second)
-    return {"sums": sums, "again": again, "live": _c10d.live_group_count()}
+    return {"sums": sums, "names": names, "again": again, "live": _c10d.live_group_count()}
 
 
 def _duplicates_mesh(rank: int) -> dict[str, Any]:
@@ -150,6 +162,9 @@ def _non_members(rank: int) -> dict[str, Any]:
     public = dist.new_group([0, 1], use_local_synchronization=True)  # local for non-members
     out["public_repr"] = repr(public)
     out["public_is_none"] = public is None
+    out["public_is_sentinel"] = (
+        isinstance(public, int) and public == dist.GroupMember.NON_GROUP_MEMBER
+    )
     out["helper"] = repr(
         _c10d.new_member_group(
             [0, 1], backend="gloo", timeout=None, pg_options=None, description=""
@@ -201,6 +216,33 @@ def _names(rank: int) -> dict[str, Any]:
     }
 
 
+def _gpu_less_nccl(rank: int) -> dict[str, Any]:
+    """NCCL compiled in (a CUDA build) but no GPU: rejected up front, never a formation error.
+
+    Both conditions are simulated, so this holds on CPU builds and on GPU hosts alike.
+    """
+    original_available = dist.is_backend_available
+    original_cuda = torch.cuda.is_available
+    dist.is_backend_available = lambda backend: True  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: False
+    try:
+        out = {
+            "constructor": error_text(lambda: ProcessGroupMesh(2, ranks=[2, 3], backend="nccl")),
+        }
+        with ProcessGroupMesh(2, ranks=[2, 3], timeout=MESH_TIMEOUT) as mesh:
+            out["per_call"] = error_text(lambda: mesh.get_group_along_axis(0, backend="nccl"))
+        out["helper"] = error_text(
+            lambda: _c10d.new_member_group(
+                [2, 3], backend="nccl", timeout=None, pg_options=None, description=""
+            )
+        )
+    finally:
+        dist.is_backend_available = original_available
+        torch.cuda.is_available = original_cuda
+    out["live"] = _c10d.live_group_count()
+    return out
+
+
 def _generation_of(name: str) -> int:
     match = NAME.fullmatch(name)
     return -1 if match is None else int(match.group(2))
@@ -219,32 +261,9 @@ def _formation_ends_together(rank: int) -> dict[str, Any]:
     slow = None
     if rank == 3:
 
-        def _new_process_group_helper(  # same parameters: scopedmesh checks them
-            group_size: Any,
-            group_rank: Any,
-            global_ranks_in_group: Any,
-            backend: Any,
-            store: Any,
-            group_name: Any,
-            backend_options: Any = None,
-            timeout: Any = None,
-            pg_tag: Any = None,
-            device_id: Any = None,
-            group_desc: Any = None,
-        ) -> Any:
-            made = original(
-                group_size,
-                group_rank,
-                global_ranks_in_group,
-                backend,
-                store,
-                group_name,
-                backend_options=backend_options,
-                timeout=timeout,
-                pg_tag=pg_tag,
-                device_id=device_id,
-                group_desc=group_desc,
-            )
+        @functools.wraps(original)  # scopedmesh judges the real helper underneath
+        def _new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
+            made = original(*args, **kwargs)
             time.sleep(1.5)
             c10d._get_default_store().set(key, "1")
             return made
@@ -262,7 +281,7 @@ def _formation_ends_together(rank: int) -> dict[str, Any]:
     return {"peer_done": peer_done, "works": works, "patched": slow is not None}
 
 
-# ------------------------------------------------------------------ phase 2
+# ------------------------------------------------------------------ phase 3
 
 
 def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
@@ -320,14 +339,17 @@ def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------ phase 3
+# ------------------------------------------------------------------ phase 1
 
 
 def fallback(rank: int, world_size: int) -> dict[str, Any]:
     """Without the private path: public new_group, one RuntimeWarning that names the hazard."""
+    # Public member-only names hash the number of live groups (torch <= 2.13) or of groups
+    # ever made (2.14+): both must agree on every rank, so this phase runs first.
     live = _c10d.live_group_count()
-    if live != 1:  # public names hash the live-group count: it must agree on every rank
+    if live != 1:
         raise AssertionError(f"expected only WORLD alive before the fallback, found {live}")
+    made_before = getattr(c10d._world, "group_count", None)
     original = _c10d.private_path_supported
     _c10d.private_path_supported = lambda: False
     try:
@@ -348,6 +370,7 @@ def fallback(rank: int, world_size: int) -> dict[str, Any]:
         "live_open": live_open,
         "warnings": [(w.category.__name__, str(w.message)) for w in caught],
         "names": [c["name"] for c in calls],
+        "made_before": made_before,
     }
 
 
@@ -430,9 +453,9 @@ def _wait_gone(pid: int, limit: float = 30.0) -> bool:
 
 
 C10D_CHECKS: list[Check] = [
+    fallback,  # first: public names depend on each rank's history (hazard 7)
     public_hazards_and_pins,
     mesh_recipes,
-    fallback,
     order,
     order_recovers,
     peer_death,  # must stay last: rank 3 dies in it

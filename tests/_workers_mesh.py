@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import pickle
 import traceback
 import warnings
@@ -135,47 +136,28 @@ def total(group: dist.ProcessGroup) -> int:
 def record_new_groups() -> Iterator[list[dict[str, Any]]]:
     """Record every call of torch's group constructor (what new_group ends in).
 
-    The wrapper repeats the helper's parameters (torch 2.13) rather than taking
-    ``*args``: scopedmesh checks them to decide whether its private path applies.
+    The wrapper is ``functools.wraps`` of torch's helper, as torch's own logging
+    wrappers are, so scopedmesh judges the real helper's parameters (whatever this
+    torch calls them) when it decides whether its private path applies.
     """
     calls: list[dict[str, Any]] = []
     original = c10d._new_process_group_helper
+    signature = inspect.signature(inspect.unwrap(original))
 
-    def _new_process_group_helper(
-        group_size: Any,
-        group_rank: Any,
-        global_ranks_in_group: Any,
-        backend: Any,
-        store: Any,
-        group_name: Any,
-        backend_options: Any = None,
-        timeout: Any = None,
-        pg_tag: Any = None,
-        device_id: Any = None,
-        group_desc: Any = None,
-    ) -> Any:
+    @functools.wraps(original)
+    def _new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs).arguments
         calls.append(
             {
-                "ranks": list(global_ranks_in_group),
-                "name": str(group_name),
-                "backend": str(backend),
-                "timeout": timeout,
-                "backend_options": backend_options,
+                "ranks": list(bound["global_ranks_in_group"]),
+                "name": str(bound["group_name"]),
+                "backend": str(bound["backend"]),
+                "timeout": bound.get("timeout"),
+                # torch 2.6+ calls it backend_options, torch 2.4 pg_options
+                "backend_options": bound.get("backend_options", bound.get("pg_options")),
             }
         )
-        return original(
-            group_size,
-            group_rank,
-            global_ranks_in_group,
-            backend,
-            store,
-            group_name,
-            backend_options=backend_options,
-            timeout=timeout,
-            pg_tag=pg_tag,
-            device_id=device_id,
-            group_desc=group_desc,
-        )
+        return original(*args, **kwargs)
 
     c10d._new_process_group_helper = _new_process_group_helper
     try:

@@ -14,8 +14,10 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,16 @@ SHAPES: list[tuple[int, ...]] = [
     (2, 2, 1, 4),
     (2, 3, 2, 2),
 ]
+
+
+# torch 2.9 (measured on 2.9.1; not on 2.12.1 and later): the oracle probes one fake
+# world per rank and shape in one process, and once a world has been destroyed,
+# flattening a pair of axes may name a group that is not registered ("Could not
+# resolve the process group registered under the name ..."). A torch limitation of
+# the oracle, not of the mesh: there, the whole pair partitions (from the mesh
+# tensor) are still checked; on every other release every rank's pairs must flatten.
+RELEASE = tuple(int(part) for part in re.findall(r"\d+", version("torch"))[:2])  # no torch import
+FLATTEN_MAY_FAIL = RELEASE == (2, 9)
 
 
 def _key(shape: tuple[int, ...]) -> str:
@@ -114,4 +126,7 @@ def test_groups_match_device_mesh(device_mesh: dict[str, Any], shape: tuple[int,
             assert tuple(members) == layout.group(coord, axis), (entry["rank"], axis)
         for i, j in pairs:
             members = entry["pairs"][f"{i},{j}"]
+            if members is None:  # torch could not flatten (see FLATTEN_MAY_FAIL)
+                assert FLATTEN_MAY_FAIL, (entry["rank"], (i, j))
+                continue
             assert tuple(members) == layout.group(coord, (f"ax{j}", i)), (entry["rank"], (i, j))

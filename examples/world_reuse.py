@@ -1,6 +1,6 @@
 """Wall time of N ``@pytest.mark.world`` tests, each in its own world and in one reused world.
 
-    python -m benchmarks.world_reuse --tests 6 --size 2
+    python examples/world_reuse.py --tests 6 --size 2
 
 Writes a test module of N tests (an all_reduce over a mesh's axis each) to a
 temporary directory and times ``python -m pytest`` on it twice: with

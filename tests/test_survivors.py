@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
 
 from scopedmesh.layout import MeshLayout
-from scopedmesh.shrink import lost_positions, shrink
+from scopedmesh.survivors import lost_positions, shrink
 from scopedmesh.testing.strategies import layouts
 
 
@@ -87,9 +87,9 @@ def test_errors_name_the_numbers() -> None:
         shrink(layout, [1], "ep")
 
 
-def test_importing_shrink_leaves_torch_out() -> None:
+def test_importing_survivors_leaves_torch_out() -> None:
     code = (
-        "import sys, scopedmesh.shrink; "
+        "import sys, scopedmesh.survivors; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
