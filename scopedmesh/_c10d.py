@@ -183,20 +183,23 @@ def _is_fake(backend: str) -> bool:
     return backend.lower() == "fake"
 
 
-def _next_generation(ranks: Sequence[int], backend: str) -> int:
-    """This rank's count of incarnations of the group, kept in the distributed store."""
+def _next_generation(ranks: Sequence[int], backend: str) -> tuple[int, str]:
+    """This rank's count of incarnations of the group, kept in the distributed store, and the
+    incarnation's name (one hash of the ranks per formation)."""
+    key = group_name(ranks, backend, 0)
+    stem = key[:-1]  # "scopedmesh-<digest>-"
     if _is_fake(backend):
         # The fake backend's FakeStore cannot count (its add raises up to torch 2.13 and
         # returns 1 from 2.14 on); nothing rendezvous there, so the first name free in
         # this process is safe.
         taken = set(c10d._world.pg_names.values())
         generation = 1
-        while group_name(ranks, backend, generation) in taken:
+        while f"{stem}{generation}" in taken:
             generation += 1
-        return generation
-    key = group_name(ranks, backend, 0)
+        return generation, f"{stem}{generation}"
     store = c10d._get_default_store()
-    return int(store.add(f"{key}/generation/{dist.get_rank()}", 1))
+    generation = int(store.add(f"{key}/generation/{dist.get_rank()}", 1))
+    return generation, f"{stem}{generation}"
 
 
 def _catch_up(ranks: Sequence[int], backend: str, generation: int) -> None:
@@ -256,8 +259,7 @@ def new_member_group(
         return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
     backend_enum = dist.Backend(backend)
     make_name: Any = getattr(c10d, "GroupName", str)
-    generation = _next_generation(ranks, str(backend_enum))
-    name = group_name(ranks, str(backend_enum), generation)
+    generation, name = _next_generation(ranks, str(backend_enum))
     store = _formation_store(backend_enum)
     parameters = _helper_parameters()
     # Pass only what this torch's helper takes (see _HELPER_OPTIONS).
@@ -286,6 +288,7 @@ def new_member_group(
                 store,
                 name,
                 len(ranks),
+                ranks.index(rank),
                 timeout or c10d._get_default_timeout(backend_enum),
                 str(backend_enum),
             )
@@ -316,8 +319,10 @@ def _formation_store(backend: str) -> c10d.Store:
     return cloned
 
 
-def _all_formed(store: c10d.Store, name: str, size: int, timeout: timedelta, backend: str) -> None:
-    """Return once every member has finished forming incarnation ``name``; then clear its keys.
+def _all_formed(
+    store: c10d.Store, name: str, size: int, group_rank: int, timeout: timedelta, backend: str
+) -> None:
+    """Return once every member has finished forming incarnation ``name``; leave no key behind.
 
     gloo's connectFullMesh can return on one member before a slower member has
     finished its side of the handshake; a group destroyed in that window (say, a
@@ -326,23 +331,41 @@ def _all_formed(store: c10d.Store, name: str, size: int, timeout: timedelta, bac
     store ends formation together on every member, as torch does only under
     TORCH_DIST_INIT_BARRIER=1.
 
-    The same counter then counts departures: a member adds 1 again once its wait
-    is over, and the one that brings it to ``2 * size`` knows that nobody will
-    read the incarnation's keys again (every member finished connecting before it
-    arrived, and finished waiting before it left), so it deletes them all: the
-    rendezvous keys and the barrier's own. Store requests only; one ``add`` per
-    member more than the barrier alone.
+    Each member arrives with one ``add`` once it has connected. The one that
+    brings the count to ``size`` arrives last: every member has connected, so
+    nobody reads the arrival counter or a gloo address again. It releases the
+    others by setting ``<name>/all-formed`` to 0 and deletes the counter. Every
+    member deletes its own gloo address once released (all in parallel, rather
+    than one member deleting them all in turn). The members that waited then
+    count their departure on ``all-formed`` itself: the one that brings it to
+    ``size - 1`` is the last reader, and deletes it. Store requests per
+    formation of ``n > 1`` members: ``4n + 1`` (arrivals ``n``, release 1, the
+    counter's delete 1, waits ``n - 1``, gloo addresses ``n``, departures
+    ``n - 1``, the release key's delete 1): every member makes 4 here, one of
+    them 5, and none deletes another's keys in turn.
     """
+    own = _own_keys(name, group_rank, backend)
     if size > 1:
-        formed = f"{name}/formed"
-        if store.add(formed, 1) == size:
-            store.set(f"{name}/all-formed", "1")
+        formed, released = f"{name}/formed", f"{name}/all-formed"
+        if store.add(formed, 1) == size:  # the last to arrive: nobody waits for it
+            store.set(released, "0")
+            store.delete_key(formed)
         else:
-            store.wait([f"{name}/all-formed"], timeout)
-        if store.add(formed, 1) < 2 * size:
-            return
-    for key in incarnation_keys(name, size, backend):
+            store.wait([released], timeout)
+            if store.add(released, 1) == size - 1:  # the last of those that waited to leave
+                own.append(released)
+    for key in own:
         store.delete_key(key)
+
+
+def _own_keys(name: str, group_rank: int, backend: str) -> list[str]:
+    """The gloo address this member wrote for incarnation ``name``, if gloo connected eagerly."""
+    # Under TORCH_GLOO_LAZY_INIT=1 gloo connects on the first collective, after
+    # formation: its keys are still needed then, so they stay.
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
+    if backend == dist.Backend.GLOO and not lazy:
+        return [f"{name}//cpu//0/{group_rank}"]
+    return []
 
 
 def incarnation_keys(name: str, size: int, backend: str) -> list[str]:
@@ -357,11 +380,7 @@ def incarnation_keys(name: str, size: int, backend: str) -> list[str]:
     >>> incarnation_keys("g-1", 2, "gloo")
     ['g-1//cpu//0/0', 'g-1//cpu//0/1', 'g-1/formed', 'g-1/all-formed']
     """
-    # Under TORCH_GLOO_LAZY_INIT=1 gloo connects on the first collective, after
-    # formation: its keys are still needed then, so they stay.
-    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
-    gloo = backend == dist.Backend.GLOO and not lazy
-    keys = [f"{name}//cpu//0/{r}" for r in range(size)] if gloo else []
+    keys = [key for r in range(size) for key in _own_keys(name, r, backend)]
     if size > 1:
         keys += [f"{name}/formed", f"{name}/all-formed"]
     return keys

@@ -19,16 +19,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from scopedmesh import _c10d, _seed
 from scopedmesh._cache import GroupCache, plain_axes
 from scopedmesh._checks import check_backend, check_timeout
-from scopedmesh._device_mesh import build_device_mesh
 from scopedmesh.layout import Axes, Axis, MeshLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ProcessGroupMesh"]
 
@@ -281,6 +282,8 @@ class ProcessGroupMesh(GroupCache):
 
         See :func:`scopedmesh.interop.to_device_mesh`, which calls this.
         """
+        from scopedmesh._device_mesh import build_device_mesh  # few programs need it: not at import
+
         return build_device_mesh(
             self._layout, self._coord, device_type, axes, self.get_group_along_axis
         )

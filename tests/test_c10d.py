@@ -364,3 +364,59 @@ def test_group_name_format() -> None:
     assert name != _c10d.group_name([1, 3], "gloo", 8)
     assert name != _c10d.group_name([1, 3], "nccl", 7)
     assert name != _c10d.group_name([1, 2], "gloo", 7)
+
+
+class _CountingStore:
+    """A store shared by threads that stand for members, counting each member's requests."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.requests = store, [0]
+
+    def __getattr__(self, method: str) -> Any:
+        def call(*args: Any) -> Any:
+            self.requests[0] += 1
+            return getattr(self.store, method)(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_formation_barrier_store_requests_and_zero_residue(size: int) -> None:
+    """The barrier after formation: ``4n + 1`` store requests for n > 1 members, no key left.
+
+    Each thread stands for one member whose gloo address is already in the store,
+    as after connectFullMesh; the barrier releases them together and deletes every
+    key of the incarnation (DESIGN hazard 8 and zero residue; the gloo worlds of
+    test_heal and test_reliability prove both on real groups).
+    """
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import HashStore
+
+    store, name = HashStore(), "scopedmesh-test-1"
+    for key in _c10d.incarnation_keys(name, size, "gloo"):
+        if "//cpu//" in key:
+            store.set(key, "address")
+    counted = [_CountingStore(store) for _ in range(size)]
+    errors: list[BaseException] = []
+
+    def member(group_rank: int) -> None:
+        try:
+            _c10d._all_formed(  # type: ignore[arg-type]
+                counted[group_rank], name, size, group_rank, timedelta(seconds=30), "gloo"
+            )
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    requests = sorted(c.requests[0] for c in counted)
+    assert sum(requests) == (4 * size + 1 if size > 1 else 1), requests
+    assert requests[-1] <= 5, requests  # nobody deletes the others' keys in turn
+    assert [k for k in _c10d.incarnation_keys(name, size, "gloo") if store.check([k])] == []
+    assert store.num_keys() == 0
