@@ -74,6 +74,43 @@ def free_port() -> int:
     return port
 
 
+def host_store(init_timeout: float) -> Any:
+    """A world's store, hosted by the calling process on a free loopback port (``.port``).
+
+    As torchrun's agent does: a rank that finishes first and exits must not take
+    the store away from slower ranks, so no rank hosts it.
+    """
+    return dist.TCPStore(  # type: ignore[attr-defined]  # public; not in torch's stub exports
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=init_timeout),
+    )
+
+
+def join_world(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    init_timeout: float,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """In a rank's process: the launcher's environment, then the default group over ``port``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    os.environ.update(env or {})
+    limit = timedelta(seconds=init_timeout)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=limit)  # type: ignore[attr-defined]  # public; not in torch's stub exports
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit)
+
+
 def _child_main(
     fn: Callable[..., Any],
     rank: int,
@@ -86,23 +123,9 @@ def _child_main(
     conn: Connection,
 ) -> None:
     """Body of one rank's process: init, run ``fn``, report, tear down."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-    os.environ.update(env)
     try:
         try:
-            limit = timedelta(seconds=init_timeout)
-            # The parent hosts the store (as torchrun's agent does): a rank that
-            # finishes first and exits must not take the store from slower ranks.
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=limit)  # type: ignore[attr-defined]  # public; not in torch's stub exports
-            dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=limit
-            )
+            join_world(rank, world_size, port, backend, init_timeout, env)
             result = fn(rank, world_size, *args)
         except Exception:
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -242,13 +265,7 @@ def run_world(
     grace = _check_positive("grace", grace, allow_zero=True)
 
     ctx = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # public; not in torch's stub exports
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=init_timeout),
-    )
+    store = host_store(init_timeout)
     port = store.port
     procs: list[BaseProcess] = []
     readers: dict[int, Connection] = {}

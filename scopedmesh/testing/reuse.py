@@ -16,12 +16,10 @@ every rank a stop message, then terminates whatever is still alive.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -41,24 +39,13 @@ def _serve(
     conn: Connection,
 ) -> None:
     """Body of one rank: init once, then run each task the parent sends until ``None``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
     import torch.distributed as dist
+
+    from scopedmesh.testing.launcher import join_world
 
     try:
         try:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=init_timeout),
-            )
+            join_world(rank, world_size, port, backend, init_timeout)
         except Exception:
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
             return
@@ -95,6 +82,7 @@ class ReusedWorld:
         self.backend = backend
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
+        self._store: Any = None
 
     @property
     def alive(self) -> bool:
@@ -107,10 +95,11 @@ class ReusedWorld:
         return [p.pid for p in self._procs if p.pid is not None]
 
     def _start(self, init_timeout: float) -> None:
-        from scopedmesh.testing.launcher import free_port
+        from scopedmesh.testing.launcher import host_store
 
         ctx = multiprocessing.get_context("spawn")
-        port = free_port()
+        self._store = host_store(init_timeout)  # outlives every rank, as in run_world
+        port = self._store.port
         for rank in range(self.size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -201,4 +190,4 @@ class ReusedWorld:
         for proc in self._procs:
             if not proc.is_alive():
                 proc.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._store = [], [], None
