@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _workers_common import rss_kib
 
 from scopedmesh import _c10d
 from scopedmesh.heal import LostRankError, agree_on_lost, reform
@@ -27,14 +28,6 @@ from scopedmesh.mesh import ProcessGroupMesh
 
 NAMES = ("dp", "tp")
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS line in /proc/self/status")
 
 
 def open_fds() -> int:
