@@ -21,12 +21,11 @@ public ``new_group`` with a warning that names the hazard.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh.layout import as_range
+from scopedmesh._names import RankMap, canonical_ranks, group_name
 
 __all__ = [
     "RankMap",
@@ -115,67 +114,6 @@ def unusable_backend(backend: str) -> str | None:
         if name in _CUDA_BACKENDS and not torch.cuda.is_available():
             return f"{name!r} needs a CUDA device and this host has none visible to torch"
     return None
-
-
-class RankMap(Mapping[int, int]):
-    """Global rank -> group rank for evenly spaced ranks, in O(1) memory.
-
-    torch keeps this map per group (``_world.pg_group_ranks``) and reads it with
-    ``in``, ``[]``, ``keys()``, ``items()`` and ``len()``; a dict would cost
-    O(group size) for every group.
-
-    >>> rank_map = RankMap(range(4, 20, 4))
-    >>> rank_map[12], 13 in rank_map, list(rank_map.items())
-    (2, False, [(4, 0), (8, 1), (12, 2), (16, 3)])
-    """
-
-    __slots__ = ("_ranks",)
-
-    def __init__(self, ranks: range) -> None:
-        self._ranks = ranks
-
-    def __getitem__(self, rank: int) -> int:
-        try:
-            return self._ranks.index(rank)
-        except ValueError:
-            raise KeyError(rank) from None
-
-    def __contains__(self, rank: object) -> bool:
-        return rank in self._ranks
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ranks)
-
-    def __len__(self) -> int:
-        return len(self._ranks)
-
-    def __repr__(self) -> str:
-        return f"RankMap({self._ranks!r})"
-
-
-def canonical_ranks(ranks: Sequence[int]) -> range | tuple[int, ...]:
-    """``ranks`` ascending: a ``range`` when evenly spaced, else a tuple.
-
-    >>> canonical_ranks([6, 2, 4]), canonical_ranks((0, 1, 3))
-    (range(2, 8, 2), (0, 1, 3))
-    """
-    if isinstance(ranks, range) and ranks.step > 0:
-        return ranks
-    ordered = sorted(ranks)
-    return as_range(ordered) or tuple(ordered)
-
-
-def group_name(ranks: Sequence[int], backend: str, generation: int) -> str:
-    """The name of one incarnation of the group over ``ranks`` on ``backend``."""
-    spaced = canonical_ranks(ranks)
-    if isinstance(spaced, range):
-        step = spaced.step if len(spaced) > 1 else 1
-        members = f"{spaced.start}+{step}*{len(spaced)}"
-    else:
-        members = ",".join(map(str, spaced))
-    text = f"{backend}|{members}"
-    digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:20]
-    return f"scopedmesh-{digest}-{generation}"
 
 
 def _is_fake(backend: str) -> bool:

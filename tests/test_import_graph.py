@@ -20,7 +20,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(f"scopedmesh.{name}" for name in layer.split())
     for layer in (
         "errors",
-        "_ints _strided _indexing _families layout _seed survivors",
+        "_ints _names _strided _indexing _families layout _seed survivors",
         "_c10d",
         "_checks _scope _cache _device_mesh mesh heal",
         "interop",
