@@ -33,6 +33,11 @@ from scopedmesh.heal import LostRankError, agree_on_lost, reform
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: lines of ranks that share a pipe never interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 def batch(step: int, replica: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Replica ``replica`` of ``replicas``' data at ``step``: the same in every run."""
     g = torch.Generator().manual_seed(1000003 * step + 1009 * replicas + replica)
@@ -108,13 +113,13 @@ def main() -> None:
         try:
             while step < args.steps:
                 if rank == args.leave_rank and step == args.leave_step:
-                    print(f"rank {rank} leaves at step {step}, t={time.time():.3f}", flush=True)
+                    say(f"rank {rank} leaves at step {step}, t={time.time():.3f}")
                     os._exit(0)
                 losses.append(train_step(mesh, w_shard, step))
                 replicas.append(mesh.size("dp"))
                 step += 1
         except RuntimeError as error:
-            print(f"rank {rank}: step {step} failed: {str(error).splitlines()[0][:100]}")
+            say(f"rank {rank}: step {step} failed: {str(error).splitlines()[0][:100]}")
     if step == args.steps:  # nobody left: nothing to heal
         healed = None
     else:
@@ -122,11 +127,11 @@ def main() -> None:
             lost = agree_on_lost(range(world), rank, tag=f"step{step}", timeout=args.agree_seconds)
             healed = reform(mesh, lost, "dp")
         except LostRankError as error:
-            print(f"rank {rank} sits out: {error}", flush=True)
+            say(f"rank {rank} sits out: {error}")
             dist.destroy_process_group()
             return
         if rank == 0:
-            print(
+            say(
                 f"lost ranks {sorted(lost)}; re-formed mesh {healed.shape} over {healed.layout.ranks}"
             )
         with healed:
@@ -134,13 +139,13 @@ def main() -> None:
                 losses.append(train_step(healed, w_shard, step))
                 replicas.append(healed.size("dp"))
                 if step == args.leave_step and rank == 0:
-                    print(f"first step on the re-formed mesh done, t={time.time():.3f}", flush=True)
+                    say(f"first step on the re-formed mesh done, t={time.time():.3f}")
                 step += 1
     if rank == 0:
         expected = reference(args.steps, replicas)
         for s, (loss, ref, n) in enumerate(zip(losses, expected, replicas)):
-            print(f"step {s:3d} replicas {n} loss {loss:.9f} reference {ref:.9f}")
-        print(f"max_abs_diff={max(abs(a - b) for a, b in zip(losses, expected)):.3e}")
+            say(f"step {s:3d} replicas {n} loss {loss:.9f} reference {ref:.9f}")
+        say(f"max_abs_diff={max(abs(a - b) for a, b in zip(losses, expected)):.3e}")
     dist.destroy_process_group()
 
 

@@ -42,6 +42,11 @@ NAMES = ("dp", "pp", "tp")
 INTRA = ("dp", "tp")  # what the node-aware mesh keeps inside a node
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: lines of ranks that share a pipe never interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 def gather(values: list[int]) -> list[list[int]]:
     """Every rank's ``values`` (same length everywhere), by one all_gather of tensors."""
     mine = torch.tensor(values, dtype=torch.int64)
@@ -116,12 +121,11 @@ def hold(shape: tuple[int, ...], seconds: float, timeout: float) -> None:
                 dist.all_reduce(torch.ones(1))
                 step += 1
                 if step == 1:  # every group is formed: a test may kill this process now
-                    print(f"rank {rank} pid {os.getpid()} holding", flush=True)
+                    say(f"rank {rank} pid {os.getpid()} holding")
                 time.sleep(0.05)
     except Exception as error:  # a peer died: say so, in one line, and fail
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"rank {rank}: lost a peer at step {step}: {type(error).__name__}: {first}")
-        sys.stdout.flush()
+        say(f"rank {rank}: lost a peer at step {step}: {type(error).__name__}: {first}")
         os._exit(1)  # skip destroying WORLD, whose peers are gone
 
 
@@ -155,14 +159,14 @@ def main() -> None:
         for row in table:
             rank, group_rank, local_rank, nproc, dp, pp, tp, *rest = (int(v) for v in row)
             sums, one = rest[:3], rest[3:]
-            print(
+            say(
                 f"rank {rank}: node {group_rank} local {local_rank}/{nproc} = plan; "
                 f"(dp, pp, tp) = ({dp}, {pp}, {tp}); sums "
                 + " ".join(f"{n}={s}" for n, s in zip(NAMES, sums))
                 + "; node-aware on one node: "
                 + " ".join(f"{n}={'yes' if o else 'no'}" for n, o in zip(NAMES, one))
             )
-        print(f"two-node check passed on {dist.get_world_size()} ranks", flush=True)
+        say(f"two-node check passed on {dist.get_world_size()} ranks")
     if args.hold:
         hold(shape, args.hold, args.timeout)
     dist.destroy_process_group()

@@ -97,7 +97,7 @@ def test_a_killed_peer_fails_the_survivors_with_a_clear_error_and_leaves_no_proc
     agents: dict[int, int] = {}
 
     def kill(node: int, line: str) -> None:
-        match = re.match(r"rank 5 pid (\d+) holding", line)
+        match = re.search(r"rank 5 pid (\d+) holding", line)
         if match and not killed:
             os.kill(int(match[1]) if victim == "worker" else agents[node], signal.SIGKILL)
             killed["at"] = time.monotonic()
