@@ -100,15 +100,14 @@ def close(impl: str, handle: Any) -> None:
         dist.destroy_process_group(group)
 
 
-def measure(rank: int, world: int, shape: Shape, names: Names, order: Names) -> dict[str, float]:
-    """Case (d) on each rank: seconds from a barrier until each group's first all_reduce is done.
-
-    The approaches run one after another in ``order``, each after a barrier;
-    this module's imports are done, and WORLD's connections warmed, first.
+def measure(rank: int, world: int, shape: Shape, names: Names, order: Names) -> dict[str, Any]:
+    """Case (d) on each rank: seconds from a barrier until each group's first all_reduce is done,
+    then seconds per all_reduce of one float on them (200 rounds). The approaches run one after
+    another in ``order``, each after a barrier; imports done, WORLD's connections warmed first.
     """
     torch.set_num_threads(1)
     dist.all_reduce(torch.ones(1))
-    seconds: dict[str, float] = {}
+    seconds: dict[str, dict[str, float]] = {}
     handles = []
     for impl in order:
         dist.barrier()
@@ -117,9 +116,13 @@ def measure(rank: int, world: int, shape: Shape, names: Names, order: Names) -> 
         sums = [torch.ones(1) for _ in shape]
         for value, group in zip(sums, handles[-1][1][1]):
             dist.all_reduce(value, group=group)
-        seconds[impl] = time.perf_counter() - start
+        seconds[impl] = {"seconds": time.perf_counter() - start}
         if [v.item() for v in sums] != [float(n) for n in shape]:
             raise RuntimeError(f"{impl}: all_reduce sums {sums}, expected group sizes {shape}")
+        start = time.perf_counter()
+        for group in handles[-1][1][1] * 200:
+            dist.all_reduce(sums[0], op=dist.ReduceOp.MAX, group=group)
+        seconds[impl]["collective_seconds"] = (time.perf_counter() - start) / (200 * len(shape))
     dist.barrier()
     for impl, (handle, _) in reversed(handles):
         close(impl, handle)
@@ -226,7 +229,7 @@ def real(shape: Shape, names: Names, *, rotate: int, timeout: float) -> Any:
     order = APPROACHES[rotate % 4 :] + APPROACHES[: rotate % 4]
     args = (tuple(shape), tuple(names), order)
     per_rank = run_world(measure, math.prod(shape), args=args, timeout=timeout)
-    seconds = {impl: max(r[impl] for r in per_rank) for impl in order}
+    seconds = {i: {k: max(r[i][k] for r in per_rank) for k in per_rank[0][i]} for i in order}
     return {"order": order, "seconds": seconds, "per_rank": per_rank}
 
 

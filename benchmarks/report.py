@@ -145,7 +145,7 @@ TABLES: tuple[tuple[str, str, str, dict[str, int], list[tuple[str, str, Callable
      [("with close()", "scope_ns_per_call", fmt_ns), ("`mesh[...]`", "slice_ns_per_call", fmt_ns),
       ("first call", "first_seconds", fmt_seconds)]),
     ("real", "(d) real processes: gloo world of {w}, shape {s}", "seconds",
-     {"scopedmesh": 2, "floor": 2}, []),
+     {"scopedmesh": 2, "floor": 2}, [("per all_reduce", "collective_seconds", fmt_seconds)]),
     ("coldstart", "(f) cold start at world {p}", "seconds", {"floor": 1},
      [(head, f"{key}_seconds", fmt_seconds) for head, key in (("import", "import"),
       ("construction", "construct"), ("group 1", "group1"), ("group 2", "group2"),

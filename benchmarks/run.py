@@ -122,15 +122,13 @@ def run_all(config: Config, *, log: Callable[[str], Any], note: str = "") -> dic
         execute("real", "all", c.real_shape, rep, c.real_timeout + 60, **kw)
     summary = report.summarize(raw)
     cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]  # fmt: skip
-    machine = {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version()}
-    machine |= {"torch": torch.__version__, "platform": platform.platform()}
+    machine = {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}  # fmt: skip
     machine["cpu"] = cpu[0].split(":", 1)[1].strip() if cpu else "unknown"
     meta = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "note": note}
     meta |= {"started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds")}
     meta |= {"runtime_seconds": time.time() - started, "load_average_before": load_before}
     meta |= {"load_average_after": os.getloadavg(), "machine": machine, "config": asdict(config)}
-    errors = [r for r in raw if "error" in r]
-    targets = report.targets(summary, config)
+    errors, targets = [r for r in raw if "error" in r], report.targets(summary, config)
     return {"meta": meta, "summary": summary, "stopped": stopped, "errors": errors, "targets": targets, "raw": raw}  # fmt: skip
 
 
@@ -155,8 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = replace(config, budget=args.budget)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     results = run_all(config, log=log, note=f"; {args.note}" if args.note else "")
-    text = report.render(results)
-    print(text)
+    print(text := report.render(results))
     out = args.out or README.parent / "results" / ("smoke.json" if args.quick else "latest.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")

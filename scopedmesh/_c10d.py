@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from scopedmesh import _closable
 from scopedmesh._names import RankMap, canonical_ranks, group_name
 
 __all__ = [
@@ -202,12 +203,14 @@ def new_member_group(
     parameters = _helper_parameters()
     # Pass only what this torch's helper takes (see _HELPER_OPTIONS).
     options_name = "backend_options" if "backend_options" in parameters else "pg_options"
+    # A gloo group is made closable (see _closable); others are torch's own.
+    closable = backend_enum == dist.Backend.GLOO
     try:
-        group, _ = c10d._new_process_group_helper(
+        group, prefix_store = c10d._new_process_group_helper(
             len(ranks),
             ranks.index(rank),
             ranks,
-            backend_enum,
+            _closable.register() if closable else backend_enum,
             store,
             make_name(name),
             timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
@@ -218,6 +221,9 @@ def new_member_group(
     except Exception:
         _catch_up(ranks, str(backend_enum), generation)
         raise
+    if closable:  # torch recorded the registry's name: record what the group is
+        c10d._world.pg_map[group] = (backend_enum, prefix_store)
+        c10d._world.pg_backend_config[group] = f"cpu:{backend_enum}"
     rank_map = RankMap(ranks) if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}
     c10d._world.pg_group_ranks[group] = rank_map  # type: ignore[assignment]  # read as a Mapping
     if not _is_fake(str(backend_enum)):  # fake members never rendezvous: nobody to wait for
@@ -339,7 +345,20 @@ def is_live(group: dist.ProcessGroup) -> bool:
 
 
 def destroy(group: dist.ProcessGroup) -> bool:
-    """Destroy ``group`` if it is still live; never WORLD. Local: no communication."""
+    """Destroy ``group`` if it is still live; never WORLD. Local: no communication.
+
+    A closable gloo group is shut down too, live or not: its sockets close, its
+    threads end, and a handle kept to it raises ``MeshClosedError`` from then on.
+    """
+    if isinstance(group, _closable.ClosableGroup):
+        try:
+            return _destroy(group)
+        finally:
+            group.release()
+    return _destroy(group)
+
+
+def _destroy(group: dist.ProcessGroup) -> bool:
     if not is_live(group) or group is c10d.GroupMember.WORLD:
         return False
     tag = c10d._world.pg_to_tag.get(group)

@@ -124,12 +124,12 @@ def residue(mesh_shape: tuple[int, ...], cycles: int) -> dict[str, Any]:
 
 
 def kept_handles(mesh_shape: tuple[int, ...], cycles: int, kept_cycles: int) -> dict[str, Any]:
-    """fds per rank across closed scopes, with every tp handle dropped, then kept."""
+    """fds and threads per rank across closed scopes, with every tp handle dropped, then kept."""
     kept: list[dist.ProcessGroup] = []
     out: dict[str, Any] = {}
     for keep in (False, True):
         dist.barrier()
-        before = open_fds()
+        before, threads_before = open_fds(), os_threads()
         for _ in range(kept_cycles if keep else cycles):
             with ProcessGroupMesh(*mesh_shape, names=NAMES, timeout=60) as mesh:
                 tp = mesh.get_group_along_axis("tp")
@@ -140,13 +140,25 @@ def kept_handles(mesh_shape: tuple[int, ...], cycles: int, kept_cycles: int) -> 
                 del tp  # the loop variable would keep the last handle alive
         dist.barrier()
         out["kept" if keep else "dropped"] = open_fds() - before
-    # A kept handle after close: what does a collective on it do in this torch?
-    try:
-        out["collective_after_close"] = {"sum": _summed(kept[-1])}
-    except Exception as error:
-        out["collective_after_close"] = {"type": type(error).__name__, "message": str(error)}
+        out["threads_kept" if keep else "threads_dropped"] = os_threads() - threads_before
+    # A kept handle after close: torch's own collective, then the group's method.
+    for name, call in (
+        ("all_reduce_after_close", lambda: _summed(kept[-1])),
+        ("allreduce_method_after_close", lambda: kept[-1].allreduce([torch.ones(1)]).wait()),
+    ):
+        start = time.monotonic()
+        try:
+            out[name] = {"sum": call()}
+        except Exception as error:
+            seconds = time.monotonic() - start
+            out[name] = {"type": type(error).__name__, "message": str(error), "seconds": seconds}
     dist.barrier()
     return out
+
+
+def os_threads() -> int:
+    """This process's threads, gloo's included (Python knows only its own)."""
+    return len(os.listdir("/proc/self/task"))
 
 
 def _summed(group: dist.ProcessGroup | None) -> int:

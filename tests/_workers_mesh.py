@@ -594,7 +594,7 @@ def defaults(rank: int, world_size: int) -> dict[str, Any]:
         tp = mesh.get_group_along_axis("tp")
         assert tp is not None
         call = calls[-1]
-        out["backend"] = call["backend"]
+        out["backend"] = str(dist.get_backend(tp))  # what the group runs on
         out["timeout_passed"] = call["timeout"].total_seconds()
         out["options_passed"] = call["backend_options"] is options
         out["backend_timeout"] = _backend_timeout(tp)
@@ -612,7 +612,7 @@ def defaults(rank: int, world_size: int) -> dict[str, Any]:
         group = mesh.get_group_along_axis("all")
         out["timedelta_timeout"] = calls[-1]["timeout"].total_seconds()
         out["timedelta_backend_timeout"] = _backend_timeout(group)  # type: ignore[arg-type]
-        out["default_backend"] = calls[-1]["backend"]
+        out["default_backend"] = str(dist.get_backend(group))
     out["after_exit"] = _c10d.live_group_count() - live0
     return out
 

@@ -53,23 +53,23 @@ def test_store_keys_stay_flat_across_cycles(healed: dict[str, Any]) -> None:
     _figure("store keys over 20 cycles (8 ranks)", first=keys[0], last=keys[-1])
 
 
-def test_closed_scopes_with_dropped_handles_hold_no_fds(healed: dict[str, Any]) -> None:
-    for rank, report in _reports(healed).items():
-        assert report["fds"]["dropped"] == 0, (rank, report["fds"])
+def test_kept_handles_hold_nothing_after_close_and_fail_at_once(healed: dict[str, Any]) -> None:
+    """A tp handle kept past its scope holds no fd or thread; using it raises at once.
 
-
-def test_kept_handle_after_close_pins_torch_2_13_gloo(healed: dict[str, Any]) -> None:
-    """torch 2.13's gloo backend has no shutdown: a kept handle keeps its sockets and still works.
-
-    ``destroy_process_group(group)`` calls ``group.shutdown()``, which is a no-op
-    for gloo in this release, so each kept 2-rank tp handle holds 5 fds and a
-    collective on it still succeeds. When a torch release shuts gloo down, this
-    test fails: then assert the opposite (RELIABILITY.md, *Known limits*).
+    torch's gloo backend has no shutdown, so before closable groups each kept
+    2-rank handle held 5 fds and 3 threads and a collective on it still summed.
     """
     for rank, report in _reports(healed).items():
         fds = report["fds"]
-        assert fds["kept"] == 5 * 10, (rank, fds)
-        assert fds["collective_after_close"] == {"sum": 2}, (rank, fds)
+        assert (fds["kept"], fds["threads_kept"]) == (0, 0), (rank, fds)
+        assert (fds["dropped"], fds["threads_dropped"]) == (0, 0), (rank, fds)
+        torch_call = fds["all_reduce_after_close"]  # torch's dist.all_reduce checks first
+        assert torch_call["type"] == "ValueError", (rank, torch_call)
+        assert "shut down when its mesh closed" in torch_call["message"], torch_call
+        method = fds["allreduce_method_after_close"]  # the group itself, as C++ callers reach it
+        assert method["type"] == "MeshClosedError", (rank, method)
+        assert "kept past its mesh's scope" in method["message"], method
+        assert max(torch_call["seconds"], method["seconds"]) < 1.0  # not a wait for a timeout
 
 
 def test_survivors_heal_and_match_reference(healed: dict[str, Any]) -> None:
@@ -114,20 +114,17 @@ def test_survivors_heal_and_match_reference(healed: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_residue_and_kept_handles_long(tmp_path: Path) -> None:
-    """1,000 cycles in a 4-rank 2 x 2 world: store keys and store-host RSS; fds over 1,000 scopes.
-
-    Kept handles: 100 scopes (each kept gloo handle holds 5 fds in torch 2.13; 1,000
-    would pass the usual 1,024-fd limit).
-    """
+    """1,000 cycles in a 4-rank 2 x 2 world: store keys and store-host RSS; fds and threads
+    over 1,000 scopes with every handle dropped, then 1,000 with every handle kept."""
     result = workers.launch(
-        workers.heal_world, 4, str(tmp_path), ((2, 2), -1, 0, 0, 1000, 1000, 100), timeout=3600
+        workers.heal_world, 4, str(tmp_path), ((2, 2), -1, 0, 0, 1000, 1000, 1000), timeout=3600
     )
     reports = _reports_n(result, 4)
     keys = reports[0]["residue"]["keys"]
     for report in reports.values():
         assert report["residue"]["keys"][1:] == [keys[1]] * (len(keys) - 1)
-        assert report["fds"]["dropped"] == 0
-        assert report["fds"]["kept"] == 5 * 100  # torch 2.13 gloo: see the kept-handle pin
+        assert report["fds"]["dropped"] == report["fds"]["kept"] == 0
+        assert report["fds"]["threads_dropped"] == report["fds"]["threads_kept"] == 0
     (rss0, rss1) = result["store_rss_kib"]
     _figure(
         "residue 1000 cycles (4 ranks)",

@@ -21,7 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     for layer in (
         "errors",
         "_ints _names _strided _indexing _families layout _seed survivors",
-        "_c10d",
+        "_closable _c10d",
         "_checks _scope _cache _device_mesh mesh heal",
         "interop",
         "_plan_math plan cli __main__",

@@ -1,0 +1,219 @@
+"""Gloo groups that a closing mesh really shuts: their sockets and threads go, later use raises.
+
+torch's gloo backend has no shutdown (its ``abort`` and ``shutdown`` do
+nothing), and a ``ProcessGroup`` keeps its backend alive for as long as any
+handle to it lives. So a handle kept past its mesh's scope (the common
+``self.tp_group = mesh.get_group_along_axis("tp")``) kept 5 file descriptors
+and 3 threads per 2-rank group and went on working. The handle a mesh gives
+out for a gloo group is therefore a :class:`ClosableGroup`: a Python
+``ProcessGroup`` that forwards every operation to a plain gloo group it owns.
+:meth:`ClosableGroup.release` drops that inner group, so torch's destructor
+closes its sockets and joins its threads, and any later operation raises
+:class:`~scopedmesh.errors.MeshClosedError` at once. Releasing is local: no
+message goes to a peer.
+
+torch calls :func:`make_closable_gloo` through its custom-backend registry
+(``register()``), so the group is named and registered exactly as a gloo group
+would be; :func:`~scopedmesh._c10d.new_member_group` then records it as gloo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh.errors import MeshClosedError
+
+__all__ = ["BACKEND", "ClosableGroup", "make_closable_gloo", "register"]
+
+# The name of the backend in torch's registry. torch records it for the group;
+# new_member_group replaces that record with "gloo", which is what the group is.
+BACKEND = "scopedmesh_gloo"
+
+# Every operation of ``ProcessGroup`` that moves data or synchronises, under each
+# name some torch release uses for it (Python callers use the bound names; the
+# C++ trampoline looks the newer ones up, then the older ones).
+FORWARDED = (
+    "_allgather_base",
+    "_reduce_scatter_base",
+    "all_gather_single",
+    "all_gather_single_coalesced",
+    "all_to_all_single",
+    "allgather",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "allreduce",
+    "allreduce_coalesced",
+    "alltoall",
+    "alltoall_base",
+    "barrier",
+    "broadcast",
+    "gather",
+    "monitored_barrier",
+    "recv",
+    "recv_anysource",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "scatter",
+    "send",
+)
+
+
+class ClosableGroup(dist.ProcessGroup):
+    """A gloo group whose connections end when :meth:`release` is called.
+
+    >>> issubclass(ClosableGroup, dist.ProcessGroup)
+    True
+    """
+
+    def __init__(self, inner: dist.ProcessGroup) -> None:
+        # torch's stubs list only (store, rank, size); (rank, size) holds no store.
+        super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
+        self._inner: dist.ProcessGroup | None = inner
+        self._released_because = ""
+        self._name = ""
+        self._desc = ""
+
+    def inner(self) -> dist.ProcessGroup:
+        """The plain gloo group underneath; ``MeshClosedError`` once released."""
+        inner = self._inner
+        if inner is None:
+            raise MeshClosedError(
+                f"process group {self.group_name!r} was shut down {self._released_because}; "
+                "a handle kept past its mesh's scope cannot communicate: take the group "
+                "from an open mesh"
+            )
+        return inner
+
+    def release(self, because: str = "when its mesh closed") -> None:
+        """Drop the inner group: its sockets close and its threads end (local, idempotent)."""
+        if self._inner is not None:
+            self._released_because = because
+            self._inner = None
+
+    def __repr__(self) -> str:
+        # torch names a group it no longer knows by its repr ("Process group {pg}
+        # is not initialized ..."): say what happened to it.
+        if self._inner is None:
+            return f"<scopedmesh group {self._name!r}, shut down {self._released_because}>"
+        return f"<scopedmesh group {self._name!r}, gloo, rank {self.rank()} of {self.size()}>"
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` has run."""
+        return self._inner is None
+
+    # torch's C++ side reads these through its trampoline, under their C++ names. A
+    # plain ProcessGroup keeps its name on its backends; this one has none of its own.
+    def getBackendName(self) -> str:
+        """Not "gloo": C++ code that reads "gloo" casts the registered backend to gloo's class.
+
+        ``dist.get_backend(group)`` still says ``"gloo"``: the group runs on gloo.
+        """
+        return BACKEND
+
+    def getGroupName(self) -> str:
+        """The group's name (torch's ``group_name``)."""
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        """Set the name, here and on the inner group."""
+        self._name = name
+        if self._inner is not None:
+            self._inner._set_group_name(name)  # type: ignore[arg-type]  # GroupName is a str
+
+    def getGroupDesc(self) -> str:
+        """The group's description (torch's ``group_desc``)."""
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        """Set the description, here and on the inner group."""
+        self._desc = desc
+        if self._inner is not None:
+            self._inner._set_group_desc(desc)
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device: torch.device) -> Any:
+        return self.inner()._get_backend(device)
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        self.inner()._start_coalescing(device)
+
+    def _end_coalescing(self, device: torch.device) -> Any:
+        return self.inner()._end_coalescing(device)
+
+    start_coalescing = _start_coalescing
+    end_coalescing = _end_coalescing
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def forward(self: ClosableGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner(), name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"``{name}`` on the inner gloo group; ``MeshClosedError`` once released."
+    return forward
+
+
+for _name in FORWARDED:
+    if hasattr(dist.ProcessGroup, _name):
+        setattr(ClosableGroup, _name, _forward(_name))
+del _name
+
+
+def _stand_in(rank: int, size: int) -> Any | None:
+    """A backend that holds nothing and raises on any collective; ``None`` if torch has none.
+
+    torch's C++ side looks a group's backend up by type for bookkeeping (DDP's
+    logger asks for it); the collectives themselves reach the Python methods
+    above. The stand-in answers the look-ups. Should a C++ path ever send a
+    collective to it, torch's fake backend raises rather than doing nothing.
+    """
+    fake: Any = getattr(torch._C._distributed_c10d, "FakeProcessGroup", None)
+    options = fake.Options() if fake is not None else None
+    if options is None or not hasattr(options, "error_on_collective"):
+        return None
+    options.error_on_collective = True
+    return fake._create_internal(rank, size, options)
+
+
+def make_closable_gloo(options: Any, backend_options: object | None = None) -> dist.ProcessGroup:
+    """torch's custom-backend creator (extended API): a gloo group, wrapped to be closable.
+
+    ``options`` carries what torch's own gloo branch uses: the store (already
+    prefixed with the group's name and device), the member's group rank, the
+    group size, the timeout, the group's name and its global ranks.
+    """
+    store, group_rank, group_size = options.store, options.group_rank, options.group_size
+    backend = dist.ProcessGroupGloo(store, group_rank, group_size, options.timeout)
+    backend.options.global_ranks_in_group = options.global_ranks_in_group
+    backend.options.group_name = options.group_id
+    backend._set_sequence_number_for_group()
+    inner = dist.ProcessGroup(store, group_rank, group_size)
+    inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    stand_in = _stand_in(group_rank, group_size)
+    if stand_in is None:  # this torch cannot answer C++ look-ups safely: a plain gloo group
+        return inner
+    group = ClosableGroup(inner)
+    group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, stand_in)
+    return group
+
+
+def register() -> str:
+    """Register :data:`BACKEND` with torch once per process; return its name."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            BACKEND, make_closable_gloo, extended_api=True, devices=["cpu"]
+        )
+    return BACKEND
