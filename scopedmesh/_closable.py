@@ -19,15 +19,16 @@ would be; :func:`~scopedmesh._c10d.new_member_group` then records it as gloo.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from scopedmesh.errors import MeshClosedError
 
-__all__ = ["BACKEND", "ClosableGroup", "make_closable_gloo", "register"]
+__all__ = ["BACKEND", "ClosableGroup", "make_closable_gloo", "register", "supported"]
 
 # The name of the backend in torch's registry. torch records it for the group;
 # new_member_group replaces that record with "gloo", which is what the group is.
@@ -35,7 +36,8 @@ BACKEND = "scopedmesh_gloo"
 
 # Every operation of ``ProcessGroup`` that moves data or synchronises, under each
 # name some torch release uses for it (Python callers use the bound names; the
-# C++ trampoline looks the newer ones up, then the older ones).
+# C++ trampoline looks the newer ones up, then the older ones), and set_timeout,
+# which must reach the gloo backend rather than the stand-in.
 FORWARDED = (
     "_allgather_base",
     "_reduce_scatter_base",
@@ -62,6 +64,7 @@ FORWARDED = (
     "reduce_scatter_tensor_coalesced",
     "scatter",
     "send",
+    "set_timeout",
 )
 
 
@@ -154,6 +157,16 @@ class ClosableGroup(dist.ProcessGroup):
     start_coalescing = _start_coalescing
     end_coalescing = _end_coalescing
 
+    def split_group(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not supported: torch would split the stand-in backend, not the gloo group."""
+        raise NotImplementedError(
+            f"{self!r} does not split or merge: ask its mesh for the group you need "
+            "(get_group_along_axis, submesh)"
+        )
+
+    # The C++ names too: torch's trampoline looks those up.
+    splitGroup = merge_remote_group = mergeRemoteGroup = split_group
+
 
 def _forward(name: str) -> Callable[..., Any]:
     def forward(self: ClosableGroup, *args: Any, **kwargs: Any) -> Any:
@@ -186,6 +199,14 @@ def _stand_in(rank: int, size: int) -> Any | None:
     return fake._create_internal(rank, size, options)
 
 
+def supported() -> bool:
+    """Whether this torch lets a mesh's gloo groups be closable (it has the stand-in backend).
+
+    Without it a mesh's gloo groups are torch's own, as before.
+    """
+    return _stand_in(0, 1) is not None
+
+
 def make_closable_gloo(options: Any, backend_options: object | None = None) -> dist.ProcessGroup:
     """torch's custom-backend creator (extended API): a gloo group, wrapped to be closable.
 
@@ -195,8 +216,10 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> d
     """
     store, group_rank, group_size = options.store, options.group_rank, options.group_size
     backend = dist.ProcessGroupGloo(store, group_rank, group_size, options.timeout)
-    backend.options.global_ranks_in_group = options.global_ranks_in_group
-    backend.options.group_name = options.group_id
+    # What torch's own gloo branch sets on the options, where this torch has them.
+    with contextlib.suppress(AttributeError):
+        backend.options.global_ranks_in_group = options.global_ranks_in_group
+        backend.options.group_name = options.group_id
     backend._set_sequence_number_for_group()
     inner = dist.ProcessGroup(store, group_rank, group_size)
     inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)

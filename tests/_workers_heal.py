@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from _workers_common import rss_kib
 
-from scopedmesh import _c10d
+from scopedmesh import _c10d, _closable
 from scopedmesh.heal import LostRankError, agree_on_lost, reform
 from scopedmesh.mesh import ProcessGroupMesh
 
@@ -126,7 +126,7 @@ def residue(mesh_shape: tuple[int, ...], cycles: int) -> dict[str, Any]:
 def kept_handles(mesh_shape: tuple[int, ...], cycles: int, kept_cycles: int) -> dict[str, Any]:
     """fds and threads per rank across closed scopes, with every tp handle dropped, then kept."""
     kept: list[dist.ProcessGroup] = []
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"closable": _closable.supported()}
     for keep in (False, True):
         dist.barrier()
         before, threads_before = open_fds(), os_threads()
