@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -33,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh import _closable
 from scopedmesh._names import RankMap, canonical_ranks, group_name
 
 __all__ = [
@@ -203,14 +203,17 @@ def new_member_group(
     parameters = _helper_parameters()
     # Pass only what this torch's helper takes (see _HELPER_OPTIONS).
     options_name = "backend_options" if "backend_options" in parameters else "pg_options"
-    # A gloo group is made closable (see _closable); others are torch's own.
-    closable = backend_enum == dist.Backend.GLOO
+    made_as: str = backend_enum
+    if backend_enum == dist.Backend.GLOO:  # closable (see _closable); others are torch's own
+        from scopedmesh import _closable  # here, on the first gloo group: not in the mesh's import
+
+        made_as = _closable.register()
     try:
         group, prefix_store = c10d._new_process_group_helper(
             len(ranks),
             ranks.index(rank),
             ranks,
-            _closable.register() if closable else backend_enum,
+            made_as,
             store,
             make_name(name),
             timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
@@ -221,7 +224,7 @@ def new_member_group(
     except Exception:
         _catch_up(ranks, str(backend_enum), generation)
         raise
-    if closable:  # torch recorded the registry's name: record what the group is
+    if made_as != backend_enum:  # torch recorded the registry's name: record what it runs on
         c10d._world.pg_map[group] = (backend_enum, prefix_store)
         c10d._world.pg_backend_config[group] = f"cpu:{backend_enum}"
     rank_map = RankMap(ranks) if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}
@@ -237,7 +240,7 @@ def new_member_group(
                 str(backend_enum),
             )
         except Exception:
-            dist.destroy_process_group(group)
+            destroy(group)
             raise
     return group  # type: ignore[no-any-return]
 
@@ -350,7 +353,8 @@ def destroy(group: dist.ProcessGroup) -> bool:
     A closable gloo group is shut down too, live or not: its sockets close, its
     threads end, and a handle kept to it raises ``MeshClosedError`` from then on.
     """
-    if isinstance(group, _closable.ClosableGroup):
+    closable = sys.modules.get("scopedmesh._closable")  # None: no group is closable yet
+    if closable is not None and isinstance(group, closable.ClosableGroup):
         try:
             return _destroy(group)
         finally:
