@@ -138,6 +138,7 @@ def test_residue_and_kept_handles_long(tmp_path: Path) -> None:
         store_host_bytes_per_cycle=round((rss1 - rss0) * 1024 / 1000),
         fds_kept={r: rep["fds"]["kept"] for r, rep in reports.items()},
         fds_dropped={r: rep["fds"]["dropped"] for r, rep in reports.items()},
+        threads_kept={r: rep["fds"]["threads_kept"] for r, rep in reports.items()},
     )
 
 
