@@ -207,7 +207,7 @@ def new_member_group(
     if backend_enum == dist.Backend.GLOO:  # closable (see _closable); others are torch's own
         from scopedmesh import _closable  # here, on the first gloo group: not in the mesh's import
 
-        made_as = _closable.register()
+        made_as = _closable.register() or backend_enum
     try:
         group, prefix_store = c10d._new_process_group_helper(
             len(ranks),

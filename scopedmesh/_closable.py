@@ -199,15 +199,7 @@ def _stand_in(rank: int, size: int) -> Any | None:
     return fake._create_internal(rank, size, options)
 
 
-def supported() -> bool:
-    """Whether this torch lets a mesh's gloo groups be closable (it has the stand-in backend).
-
-    Without it a mesh's gloo groups are torch's own, as before.
-    """
-    return _stand_in(0, 1) is not None
-
-
-def make_closable_gloo(options: Any, backend_options: object | None = None) -> dist.ProcessGroup:
+def make_closable_gloo(options: Any, backend_options: object | None = None) -> ClosableGroup:
     """torch's custom-backend creator (extended API): a gloo group, wrapped to be closable.
 
     ``options`` carries what torch's own gloo branch uses: the store (already
@@ -224,19 +216,28 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> d
     inner = dist.ProcessGroup(store, group_rank, group_size)
     inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    stand_in = _stand_in(group_rank, group_size)
-    if stand_in is None:  # this torch cannot answer C++ look-ups safely: a plain gloo group
-        return inner
     group = ClosableGroup(inner)
+    stand_in = _stand_in(group_rank, group_size)  # register() made sure this torch has one
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, stand_in)
     return group
 
 
-def register() -> str:
-    """Register :data:`BACKEND` with torch once per process; return its name."""
+def register() -> str | None:
+    """Register :data:`BACKEND` with torch once per process and return its name.
+
+    ``None`` on a torch without the stand-in backend: there a mesh's gloo groups
+    are torch's own, as before.
+    """
     if BACKEND.upper() not in dist.Backend._plugins:
+        if _stand_in(0, 1) is None:
+            return None
         dist.Backend.register_backend(
             BACKEND, make_closable_gloo, extended_api=True, devices=["cpu"]
         )
     return BACKEND
+
+
+def supported() -> bool:
+    """Whether this torch lets a mesh's gloo groups be closable."""
+    return register() is not None
