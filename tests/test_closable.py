@@ -33,6 +33,32 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def test_torch_gloo_shutdown_and_abort_leave_a_kept_group_working() -> None:
+    """The hazard, through public torch: shutting a gloo group down closes nothing.
+
+    ``destroy_process_group(group)`` calls ``shutdown()``; on every release
+    claimed (2.9 to 2.15) gloo's ``shutdown`` and ``abort`` do nothing, so a kept
+    handle keeps its sockets and still communicates. When a release implements
+    them, this fails, and the closable wrapper may no longer be needed there.
+    """
+    store = dist.HashStore()
+    backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10))
+    group = dist.ProcessGroup(store, 0, 1)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    x = torch.ones(1)
+    group.allreduce([x]).wait()
+    before = _open_fds()
+    for stop in (group, backend):  # whichever of these this release has
+        for name in ("shutdown", "abort"):
+            if hasattr(stop, name):
+                getattr(stop, name)()
+    group.allreduce([x]).wait()  # still works
+    assert _open_fds() == before  # nothing closed
+    del group, backend
+    assert _open_fds() < before  # only dropping the last handle closes its sockets
+
+
 def test_the_stand_in_backend_exists_from_torch_2_13() -> None:
     """Releases before 2.13 may lack it; then a mesh's gloo groups are torch's own."""
     if RELEASE >= (2, 13):
