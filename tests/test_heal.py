@@ -73,7 +73,8 @@ def test_kept_handles_hold_nothing_after_close_and_fail_at_once(healed: dict[str
         method = fds["allreduce_method_after_close"]  # the group itself, as C++ callers reach it
         assert method["type"] == "MeshClosedError", (rank, method)
         assert "kept past its mesh's scope" in method["message"], method
-        assert max(torch_call["seconds"], method["seconds"]) < 1.0  # not a wait for a timeout
+        # A never-hang bound, not a speed claim: the groups' timeout is 60 s, failing takes µs.
+        assert max(torch_call["seconds"], method["seconds"]) < 10.0
 
 
 def test_survivors_heal_and_match_reference(healed: dict[str, Any]) -> None:
