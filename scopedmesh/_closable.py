@@ -20,7 +20,6 @@ would be; :func:`~scopedmesh._c10d.new_member_group` then records it as gloo.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -34,10 +33,11 @@ __all__ = ["BACKEND", "ClosableGroup", "make_closable_gloo", "register", "suppor
 # new_member_group replaces that record with "gloo", which is what the group is.
 BACKEND = "scopedmesh_gloo"
 
-# Every operation of ``ProcessGroup`` that moves data or synchronises, under each
-# name some torch release uses for it (Python callers use the bound names; the
-# C++ trampoline looks the newer ones up, then the older ones), and set_timeout,
-# which must reach the gloo backend rather than the stand-in.
+# Every operation of ``ProcessGroup`` that moves data, synchronises or reaches the
+# backend, under each name some torch release uses for it (Python callers use the
+# bound names; the C++ trampoline looks the newer ones up, then the older ones).
+# Names this torch lacks are skipped; ``tests/test_closable.py`` checks that every
+# operation this torch has is here.
 FORWARDED = (
     "_allgather_base",
     "_reduce_scatter_base",
@@ -54,7 +54,13 @@ FORWARDED = (
     "barrier",
     "broadcast",
     "gather",
+    "gather_into_tensor",
+    "gather_single",
+    "get_backend",
+    "get_reconfigure_handle",
     "monitored_barrier",
+    "new_window",
+    "reconfigure",
     "recv",
     "recv_anysource",
     "reduce",
@@ -62,9 +68,19 @@ FORWARDED = (
     "reduce_scatter_single",
     "reduce_scatter_single_coalesced",
     "reduce_scatter_tensor_coalesced",
+    "register_abort_hook",
+    "register_post_hook",
+    "register_pre_hook",
     "scatter",
     "send",
     "set_timeout",
+    "supports_abort_hooks",
+    "supports_completion_hooks",
+    "supports_reconfigure",
+    "supports_window",
+    "unregister_abort_hook",
+    "unregister_post_hook",
+    "unregister_pre_hook",
 )
 
 
@@ -168,17 +184,21 @@ class ClosableGroup(dist.ProcessGroup):
     splitGroup = merge_remote_group = mergeRemoteGroup = split_group
 
 
-def _forward(name: str) -> Callable[..., Any]:
+def _forward(name: str) -> Any:
+    """``name`` of the inner gloo group: a method or a property, as ``ProcessGroup`` has it."""
+
     def forward(self: ClosableGroup, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.inner(), name)(*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = name
-    forward.__doc__ = f"``{name}`` on the inner gloo group; ``MeshClosedError`` once released."
+    forward.__doc__ = f"``{name}`` of the inner gloo group; ``MeshClosedError`` once released."
+    if isinstance(vars(dist.ProcessGroup)[name], property):
+        return property(lambda self: getattr(self.inner(), name), doc=forward.__doc__)
     return forward
 
 
 for _name in FORWARDED:
-    if hasattr(dist.ProcessGroup, _name):
+    if _name in vars(dist.ProcessGroup):
         setattr(ClosableGroup, _name, _forward(_name))
 del _name
 
