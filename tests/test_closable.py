@@ -59,9 +59,9 @@ def test_torch_gloo_shutdown_and_abort_leave_a_kept_group_working() -> None:
     assert _open_fds() < before  # only dropping the last handle closes its sockets
 
 
-def test_the_stand_in_backend_exists_from_torch_2_13() -> None:
-    """Releases before 2.13 may lack it; then a mesh's gloo groups are torch's own."""
-    if RELEASE >= (2, 13):
+def test_the_stand_in_backend_exists_from_torch_2_12() -> None:
+    """Seen in 2.12.1, 2.13.0, 2.14.1 and 2.15.0, not in 2.9.1 (whose gloo groups stay torch's own)."""
+    if RELEASE >= (2, 12):
         assert _closable.supported()
 
 
