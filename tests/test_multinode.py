@@ -122,6 +122,11 @@ def test_the_leftover_scan_finds_a_marked_process() -> None:
     env = dict(os.environ, **{module.MARKER: "scan-test"})
     with subprocess.Popen(["sleep", "60"], env=env) as proc:
         try:
+            # Popen returns once forked; until the child has exec'd, /proc shows the
+            # parent's environment, without the marker (seen under load).
+            deadline = time.monotonic() + 30
+            while module.marked("scan-test") != [proc.pid] and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert module.marked("scan-test") == [proc.pid]
         finally:
             proc.kill()
