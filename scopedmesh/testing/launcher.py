@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -288,21 +288,7 @@ def run_world(
             readers[rank] = reader
 
         pending = set(range(world_size))  # ranks that have neither reported nor ended
-        grace_end: float | None = None
-        while pending:
-            now = time.monotonic()
-            stop_at = deadline if grace_end is None else min(deadline, grace_end)
-            if now >= stop_at:
-                break
-            watched: list[Any] = [readers[r] for r in pending if not readers[r].closed]
-            watched += [procs[r].sentinel for r in pending]
-            wait(watched, timeout=stop_at - now)
-            for rank in sorted(pending):
-                ended = _poll_rank(rank, procs[rank], readers, results, failures, allowed)
-                if ended:
-                    pending.discard(rank)
-                    if rank in failures and grace_end is None:
-                        grace_end = time.monotonic() + grace
+        _collect(pending, deadline, grace, procs, readers, results, failures, allowed)
 
         if failures:
             raise WorldError(_failure_message(world_size, failures, pending), failures, pending)
@@ -325,6 +311,35 @@ def run_world(
         for p in procs:
             if not p.is_alive():
                 p.close()
+
+
+def _collect(
+    pending: set[int],
+    deadline: float,
+    grace: float,
+    procs: Sequence[BaseProcess],
+    readers: dict[int, Connection],
+    results: dict[int, Any],
+    failures: dict[int, str],
+    allowed: frozenset[int],
+) -> None:
+    """Wait for the ``pending`` ranks to report or end, until ``deadline``, or ``grace``
+    seconds after the first failure; those still running are left in ``pending``."""
+    grace_end: float | None = None
+    while pending:
+        now = time.monotonic()
+        stop_at = deadline if grace_end is None else min(deadline, grace_end)
+        if now >= stop_at:
+            break
+        watched: list[Any] = [readers[r] for r in pending if not readers[r].closed]
+        watched += [procs[r].sentinel for r in pending]
+        wait(watched, timeout=stop_at - now)
+        for rank in sorted(pending):
+            ended = _poll_rank(rank, procs[rank], readers, results, failures, allowed)
+            if ended:
+                pending.discard(rank)
+                if rank in failures and grace_end is None:
+                    grace_end = time.monotonic() + grace
 
 
 def _poll_rank(

@@ -20,7 +20,7 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -115,7 +115,7 @@ class ReusedWorld:
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> None:
         """Run ``fn(rank, world_size, *args)`` on every rank within ``timeout`` seconds."""
-        from scopedmesh.testing.launcher import WorldError, _describe_exit, _failure_message
+        from scopedmesh.testing.launcher import WorldError, _collect, _failure_message
 
         deadline = time.monotonic() + timeout
         if not self.alive:
@@ -128,38 +128,10 @@ class ReusedWorld:
                 conn.send_bytes(message)
             except OSError:
                 pass  # the rank is gone; its end of the pipe tells why below
-        broken = False
-        grace_end: float | None = None
-        while pending:
-            now = time.monotonic()
-            stop_at = deadline if grace_end is None else min(deadline, grace_end)
-            if now >= stop_at:
-                break
-            watched: list[Any] = [self._conns[r] for r in pending]
-            watched += [self._procs[r].sentinel for r in pending]
-            wait(watched, timeout=stop_at - now)
-            for rank in sorted(pending):
-                conn, proc = self._conns[rank], self._procs[rank]
-                try:
-                    if conn.poll():
-                        kind, payload = pickle.loads(conn.recv_bytes())
-                        if kind == "ok":
-                            broken = broken or not payload
-                        else:
-                            failures[rank] = str(payload)
-                        pending.discard(rank)
-                        continue
-                except (EOFError, OSError):
-                    pass
-                if not proc.is_alive():
-                    proc.join(STOP_WAIT)
-                    failures[rank] = (
-                        f"rank {rank} ended without reporting a result: "
-                        f"{_describe_exit(proc.exitcode)}"
-                    )
-                    pending.discard(rank)
-            if failures and grace_end is None:
-                grace_end = time.monotonic() + GRACE
+        results: dict[int, Any] = {}  # rank -> whether it ended its test cleanly
+        readers = dict(enumerate(self._conns))
+        _collect(pending, deadline, GRACE, self._procs, readers, results, failures, frozenset())
+        broken = not all(results.values())
         if failures or pending or broken:
             self.close()
         if failures:
