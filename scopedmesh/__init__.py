@@ -24,11 +24,11 @@ from scopedmesh.errors import (
 from scopedmesh.layout import MeshLayout
 
 if TYPE_CHECKING:
-    from scopedmesh.heal import agree_on_lost, reform
+    from scopedmesh.layout.placement import node_aware_ranks
+    from scopedmesh.layout.survivors import shrink
     from scopedmesh.mesh import ProcessGroupMesh
-    from scopedmesh.nodes import node_aware_mesh, world_nodes
-    from scopedmesh.placement import node_aware_ranks
-    from scopedmesh.survivors import shrink
+    from scopedmesh.mesh.heal import agree_on_lost, reform
+    from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
 
 __all__ = [
     "AxisError",
@@ -53,12 +53,12 @@ __version__ = "0.1.0.dev0"
 _LAZY = MappingProxyType(
     {
         "ProcessGroupMesh": "scopedmesh.mesh",
-        "agree_on_lost": "scopedmesh.heal",
-        "reform": "scopedmesh.heal",
-        "node_aware_mesh": "scopedmesh.nodes",
-        "world_nodes": "scopedmesh.nodes",
-        "node_aware_ranks": "scopedmesh.placement",
-        "shrink": "scopedmesh.survivors",
+        "agree_on_lost": "scopedmesh.mesh.heal",
+        "reform": "scopedmesh.mesh.heal",
+        "node_aware_mesh": "scopedmesh.mesh.nodes",
+        "world_nodes": "scopedmesh.mesh.nodes",
+        "node_aware_ranks": "scopedmesh.layout.placement",
+        "shrink": "scopedmesh.layout.survivors",
     }
 )
 

@@ -18,7 +18,7 @@ import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fa
 from _workers_mesh import error_text, record_new_groups
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.mesh import ProcessGroupMesh
 
 WORLD = 65_536

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from _workers_mesh import Check, error_text, members, record_new_groups, run_checks, total
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import GroupFormationError
 from scopedmesh.mesh import ProcessGroupMesh
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 
 NAMES = ("dp", "tp")
 

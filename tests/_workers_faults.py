@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from _workers_common import NAMES, error_of, live, summed
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import GroupFormationError
 from scopedmesh.mesh import ProcessGroupMesh
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from _workers_common import rss_kib
 
-from scopedmesh import _c10d, _closable
+from scopedmesh.c10d import closable as _closable
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.heal import LostRankError, agree_on_lost, reform
 from scopedmesh.mesh import ProcessGroupMesh
 

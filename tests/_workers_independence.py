@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 from _workers_common import live, summed
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.mesh import ProcessGroupMesh
 
 # What each mesh may request: (axis, indices_at_axis).

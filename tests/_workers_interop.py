@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scopedmesh import MeshClosedError, ProcessGroupMesh, _c10d
+from scopedmesh import MeshClosedError, ProcessGroupMesh
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.interop import layout_of
 
 FULL = torch.arange(24, dtype=torch.float64).reshape(4, 6)

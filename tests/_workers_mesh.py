@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import MeshClosedError
 from scopedmesh.mesh import ProcessGroupMesh
 

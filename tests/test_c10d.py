@@ -1,4 +1,4 @@
-"""scopedmesh._c10d and the torch hazards of DESIGN.md, reproduced and then absorbed.
+"""scopedmesh.c10d.groups and the torch hazards of DESIGN.md, reproduced and then absorbed.
 
 Each hazard is shown twice where torch lets us: once failing through public
 torch.distributed, once passing through the mesh. One gloo world of 4 ranks
@@ -19,7 +19,7 @@ from _workers_mesh import DIED, entries, facts, last_words
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.c10d_logger import _time_logger
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.testing import run_world
 
 WORLD = 4

@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from scopedmesh._cache import formation_error
 from scopedmesh.errors import GroupFormationError
+from scopedmesh.mesh.group_table import formation_error
 
 MEETING_FAILURES = [
     "Wait timeout after 2000ms, keys: /scopedmesh-abc-1/all-formed",

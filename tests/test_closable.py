@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scopedmesh import MeshClosedError, _closable
+from scopedmesh import MeshClosedError
+from scopedmesh.c10d import closable as _closable
 
 RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 

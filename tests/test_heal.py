@@ -121,7 +121,7 @@ def test_survivors_heal_and_match_reference(healed: dict[str, Any]) -> None:
 def test_residue_and_kept_handles_long(tmp_path: Path) -> None:
     """1,000 cycles in a 4-rank 2 x 2 world: store keys and store-host RSS; fds and threads
     over 1,000 scopes with every handle dropped, then 1,000 with every handle kept."""
-    from scopedmesh import _closable
+    from scopedmesh.c10d import closable as _closable
 
     if not _closable.supported():  # 1,000 kept handles of torch's own gloo: > 1,024 fds
         pytest.skip("this torch has no stand-in backend: its gloo groups are not closable")

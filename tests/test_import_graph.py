@@ -1,7 +1,11 @@
-"""The imports inside scopedmesh/ form layers: no cycle, and each module imports only below it.
+"""The imports inside scopedmesh/ form layers, and each module's layer is its folder.
 
-Every ``import`` statement counts, including those inside functions and under
-``if TYPE_CHECKING:``, so a lazy import cannot hide a cycle.
+Bottom to top (docs/ARCHITECTURE.md): ``errors``, ``layout/`` (pure), ``c10d/``
+(the torch boundary), ``mesh/``, ``plan/`` (pure), ``testing/``, then the public
+face (``__init__``, ``__main__`` and the modules that keep old import paths).
+A module imports only from its own layer or below; a module this test cannot
+place fails it. Every ``import`` statement counts, including those inside
+functions and under ``if TYPE_CHECKING:``, so a lazy import cannot hide a cycle.
 """
 
 from __future__ import annotations
@@ -15,19 +19,33 @@ import scopedmesh
 
 PACKAGE = Path(scopedmesh.__file__).resolve().parent
 
-# Bottom to top (docs/ARCHITECTURE.md); a module imports only from its layer or below.
-LAYERS: tuple[frozenset[str], ...] = tuple(
-    frozenset(f"scopedmesh.{name}" for name in layer.split())
-    for layer in (
-        "errors",
-        "_ints _names _strided _indexing _families layout _seed survivors",
-        "_closable _c10d",
-        "_checks _scope _cache _device_mesh mesh heal",
-        "interop",
-        "_plan_math plan cli __main__",
-    )
+# Folders (and the one module that is a layer by itself), bottom to top.
+LAYERS = ("errors", "layout", "c10d", "mesh", "plan", "testing", "public")
+TORCH_FREE = frozenset({"errors", "layout", "plan"})
+# Top-level modules that only re-export, so that imports of 0.1 keep working.
+KEPT_PATHS = frozenset(
+    {"heal", "interop", "nodes", "placement", "survivors", "svg", "nodeplan", "cli"}
 )
-TORCH_FREE = LAYERS[0] | LAYERS[1] | LAYERS[5]
+
+
+def layer_of(name: str) -> str | None:
+    """The layer of module ``name`` from where it lies, or None where it cannot be placed.
+
+    >>> layer_of("scopedmesh.layout.mesh_layout"), layer_of("scopedmesh.heal")
+    ('layout', 'public')
+    >>> layer_of("scopedmesh.helpers") is None
+    True
+    """
+    parts = name.split(".")
+    if parts[0] != "scopedmesh":
+        return None
+    if len(parts) == 1 or parts[1] in KEPT_PATHS or parts[1] == "__main__":
+        return "public" if len(parts) <= 2 else None
+    if parts[1] == "errors" and len(parts) == 2:
+        return "errors"
+    if parts[1] in LAYERS[1:-1]:
+        return parts[1]
+    return None
 
 
 def _module_name(path: Path) -> str:
@@ -120,27 +138,30 @@ def test_no_import_cycle_inside_scopedmesh() -> None:
 
 def test_mesh_never_imports_interop() -> None:
     graph = _internal(_graph())
-    assert "scopedmesh.mesh" in graph["scopedmesh.interop"]
-    reachable, todo = set(), ["scopedmesh.mesh"]
+    assert "scopedmesh.mesh.process_group_mesh" in graph["scopedmesh.mesh.interop"]
+    reachable, todo = set(), ["scopedmesh.mesh.process_group_mesh"]
     while todo:
         for target in graph[todo.pop()] - reachable:
             reachable.add(target)
             todo.append(target)
-    assert "scopedmesh.interop" not in reachable
+    assert "scopedmesh.mesh.interop" not in reachable
 
 
-def _layer(name: str) -> int | None:
-    return next((i for i, layer in enumerate(LAYERS) if name in layer), None)
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(name for name in _modules() if layer_of(name) is None)
+    assert not unplaced, f"modules outside the layer folders: {unplaced}"
 
 
-@pytest.mark.parametrize("name", sorted(set().union(*LAYERS)))
+@pytest.mark.parametrize("name", sorted(_modules()))
 def test_module_imports_only_from_its_layer_or_below(name: str) -> None:
     graph = _graph()
-    assert name in graph, f"{name} is listed in LAYERS but does not exist"
-    own = _layer(name)
-    assert own is not None
-    above = sorted(t for t in _internal(graph)[name] if (_layer(t) or 0) > own)
-    assert not above, f"{name} imports {above} from a higher layer"
-    if name in TORCH_FREE:
+    own = layer_of(name)
+    assert own is not None, f"{name} lies outside the layer folders"
+    internal = _internal(graph)[name]
+    above = sorted(t for t in internal if LAYERS.index(layer_of(t) or "public") > LAYERS.index(own))
+    assert not above, f"{name} ({own}) imports {above} from a higher layer"
+    if own in TORCH_FREE:
         torch = sorted(t for t in graph[name] if t == "torch" or t.startswith("torch."))
         assert not torch, f"{name} must stay free of torch, imports {torch}"
+        torch_backed = sorted(t for t in internal if layer_of(t) not in TORCH_FREE)
+        assert not torch_backed, f"{name} must stay free of torch, imports {torch_backed}"

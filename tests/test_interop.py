@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from scopedmesh import AxisError, MeshClosedError, MeshLayout, ProcessGroupMesh, _c10d
+from scopedmesh import AxisError, MeshClosedError, MeshLayout, ProcessGroupMesh
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.interop import layout_of, to_device_mesh
 from scopedmesh.testing import run_world
 

@@ -17,7 +17,8 @@ import _workers_mesh as workers
 import pytest
 import torch.distributed as dist
 
-from scopedmesh import MeshClosedError, _c10d
+from scopedmesh import MeshClosedError
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.mesh import ProcessGroupMesh
 from scopedmesh.testing import run_world
 

@@ -61,5 +61,5 @@ def test_process_group_mesh_loads_torch_on_use() -> None:
 def test_layers_import_downward_only() -> None:
     """layout imports no torch; mesh never imports interop or cli at import time."""
     modules = _modules_after("import scopedmesh.mesh")
-    assert "scopedmesh.interop" not in modules
-    assert "scopedmesh.cli" not in modules
+    assert "scopedmesh.mesh.interop" not in modules
+    assert "scopedmesh.plan.cli" not in modules

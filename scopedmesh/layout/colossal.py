@@ -1,6 +1,6 @@
 """ColossalAI's static helpers of ``ProcessGroupMesh``: ravel, unravel, coordinates along axes.
 
-Stdlib only; :class:`~scopedmesh.mesh.ProcessGroupMesh` exposes them as
+Stdlib only; :class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh` exposes them as
 static methods under the same names.
 
 >>> ravel((0, 1, 0), (2, 2, 2)), unravel(5, (2, 2, 2))
@@ -13,8 +13,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from scopedmesh._ints import int_list
-from scopedmesh.layout import MeshLayout, RavelMode
+from scopedmesh.layout.ints import int_list
+from scopedmesh.layout.mesh_layout import MeshLayout, RavelMode
 
 __all__ = ["get_coords_along_axis", "ravel", "unravel"]
 

@@ -1,6 +1,6 @@
 """A mesh's scope: the groups it owns, its sub-meshes, and closing them without communicating.
 
-:class:`Scope` is the lifetime half of :class:`~scopedmesh.mesh.ProcessGroupMesh`:
+:class:`Scope` is the lifetime half of :class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh`:
 ``with``, ``close()``, the ``closed`` flag and the ``ResourceWarning`` of a mesh
 dropped while open. It declares the state every part of the mesh shares.
 """
@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from scopedmesh import _c10d
+from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import MeshClosedError
-from scopedmesh.layout import MeshLayout
+from scopedmesh.layout.mesh_layout import MeshLayout
 
 __all__ = ["Entry", "GroupKey", "Scope"]
 

@@ -1,8 +1,8 @@
 """The group cache of a mesh: one group per (ranks, backend), made on first request by its members.
 
-:class:`GroupCache` is the group half of :class:`~scopedmesh.mesh.ProcessGroupMesh`:
+:class:`GroupCache` is the group half of :class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh`:
 ``get_group_along_axis`` and its fast path, formation through
-:mod:`scopedmesh._c10d`, and the errors that name the axis and ranks.
+:mod:`scopedmesh.c10d.groups`, and the errors that name the axis and ranks.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scopedmesh import _c10d
-from scopedmesh._checks import check_backend
-from scopedmesh._scope import Entry, Scope
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.checks import check_backend
 from scopedmesh.errors import GroupFormationError
-from scopedmesh.layout import Axes, Axis
+from scopedmesh.layout.mesh_layout import Axes, Axis
+from scopedmesh.mesh.scope import Entry, Scope
 
 __all__ = ["GroupCache", "plain_axes"]
 

@@ -1,8 +1,8 @@
 """The MeshLayout value: a frozen strided view over a rank table, its axes, ravel and unravel.
 
 Stdlib only. :class:`StridedLayout` holds shape, names, strides, offset and the
-rank table; :mod:`scopedmesh._indexing` and :mod:`scopedmesh._families` add
-sub-layouts and groups, and :class:`scopedmesh.layout.MeshLayout` adds the
+rank table; :mod:`scopedmesh.layout.indexing` and :mod:`scopedmesh.layout.families` add
+sub-layouts and groups, and :class:`scopedmesh.layout.mesh_layout.MeshLayout` adds the
 checked constructor.
 """
 
@@ -13,8 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Literal, TypeAlias, TypeVar
 
-from scopedmesh._ints import int_sequence, is_int
 from scopedmesh.errors import AxisError, CoordinateError
+from scopedmesh.layout.ints import int_sequence, is_int
 
 __all__ = ["Axes", "Axis", "RavelMode", "StridedLayout"]
 

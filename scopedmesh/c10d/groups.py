@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh._names import RankMap, canonical_ranks, group_name
+from scopedmesh.c10d.names import RankMap, canonical_ranks, group_name
 
 __all__ = [
     "RankMap",
@@ -205,7 +205,9 @@ def new_member_group(
     options_name = "backend_options" if "backend_options" in parameters else "pg_options"
     made_as: str = backend_enum
     if backend_enum == dist.Backend.GLOO:  # closable (see _closable); others are torch's own
-        from scopedmesh import _closable  # here, on the first gloo group: not in the mesh's import
+        from scopedmesh.c10d import (
+            closable as _closable,  # here, on the first gloo group: not in the mesh's import
+        )
 
         made_as = _closable.register() or backend_enum
     try:
@@ -353,7 +355,7 @@ def destroy(group: dist.ProcessGroup) -> bool:
     A closable gloo group is shut down too, live or not: its sockets close, its
     threads end, and a handle kept to it raises ``MeshClosedError`` from then on.
     """
-    closable = sys.modules.get("scopedmesh._closable")  # None: no group is closable yet
+    closable = sys.modules.get("scopedmesh.c10d.closable")  # None: no group is closable yet
     if closable is not None and isinstance(group, closable.ClosableGroup):
         try:
             return _destroy(group)

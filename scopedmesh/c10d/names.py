@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 
-from scopedmesh._ints import as_range
+from scopedmesh.layout.ints import as_range
 
 __all__ = ["RankMap", "canonical_ranks", "group_name"]
 

@@ -1,8 +1,8 @@
 """ProcessGroupMesh: an N-D mesh that owns the process groups it makes, for a scope.
 
-The class puts together its scope (:mod:`scopedmesh._scope`), its group cache
-(:mod:`scopedmesh._cache`) and the ColossalAI static helpers
-(:mod:`scopedmesh._seed`); this module holds construction, layout facts and
+The class puts together its scope (:mod:`scopedmesh.mesh.scope`), its group cache
+(:mod:`scopedmesh.mesh.group_table`) and the ColossalAI static helpers
+(:mod:`scopedmesh.layout.colossal`); this module holds construction, layout facts and
 sub-meshes.
 
 >>> import torch.distributed as dist
@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch.distributed as dist
 
-from scopedmesh import _c10d, _seed
-from scopedmesh._cache import GroupCache, plain_axes
-from scopedmesh._checks import check_backend, check_timeout
-from scopedmesh.layout import Axes, Axis, MeshLayout
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.checks import check_backend, check_timeout
+from scopedmesh.layout.mesh_layout import Axes, Axis, MeshLayout
+from scopedmesh.layout import colossal as _seed
+from scopedmesh.mesh.group_table import GroupCache, plain_axes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -76,7 +77,7 @@ class ProcessGroupMesh(GroupCache):
     incarnations across ranks.
     """
 
-    # The group methods, defined in scopedmesh._cache, named here too so that the
+    # The group methods, defined in scopedmesh.mesh.group_table, named here too so that the
     # class's own namespace lists its whole API (for help() and introspection).
     get_group_along_axis = GroupCache.get_group_along_axis
     create_group_along_axis = GroupCache.create_group_along_axis
@@ -223,7 +224,7 @@ class ProcessGroupMesh(GroupCache):
         """Whether this rank is the last rank of its group along ``axis``."""
         return self._layout.group(self._coord, axis)[-1] == self._rank
 
-    # ColossalAI's static helpers, kept under their names (see scopedmesh._seed).
+    # ColossalAI's static helpers, kept under their names (see scopedmesh.layout.colossal).
     ravel = staticmethod(_seed.ravel)
     unravel = staticmethod(_seed.unravel)
     get_coords_along_axis = staticmethod(_seed.get_coords_along_axis)
@@ -280,9 +281,11 @@ class ProcessGroupMesh(GroupCache):
     def to_device_mesh(self, device_type: str, axes: Sequence[Axis] | None = None) -> DeviceMesh:
         """A torch ``DeviceMesh`` over this mesh's own groups, valid while the mesh is open.
 
-        See :func:`scopedmesh.interop.to_device_mesh`, which calls this.
+        See :func:`scopedmesh.mesh.interop.to_device_mesh`, which calls this.
         """
-        from scopedmesh._device_mesh import build_device_mesh  # few programs need it: not at import
+        from scopedmesh.c10d.device_mesh import (
+            build_device_mesh,  # few programs need it: not at import
+        )
 
         return build_device_mesh(
             self._layout, self._coord, device_type, axes, self.get_group_along_axis

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from scopedmesh._c10d import unusable_backend
+from scopedmesh.c10d.groups import unusable_backend
 
 __all__ = ["MAX_TIMEOUT", "check_backend", "check_timeout"]
 

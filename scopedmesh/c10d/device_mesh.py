@@ -1,8 +1,8 @@
 """A torch ``DeviceMesh`` built over a layout, this rank's coordinate and existing groups.
 
 Below the mesh: it knows a layout, a coordinate and a way to get each axis's
-group, never :class:`~scopedmesh.mesh.ProcessGroupMesh` itself, so the mesh
-can call it and :mod:`scopedmesh.interop` can sit above the mesh.
+group, never :class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh` itself, so the mesh
+can call it and :mod:`scopedmesh.mesh.interop` can sit above the mesh.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from scopedmesh.layout import Axis, MeshLayout
+from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 
 __all__ = ["build_device_mesh"]
 

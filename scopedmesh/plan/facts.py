@@ -1,8 +1,8 @@
 """The facts ``scopedmesh plan`` prints: a mesh's groups, their nodes, one rank's view.
 
-Pure integer facts from :class:`~scopedmesh.layout.MeshLayout` (no torch), which
-:mod:`scopedmesh.cli` renders as text; the group arithmetic is in
-:mod:`scopedmesh._plan_math`. Above 64 ranks (unless ``full``) the lists
+Pure integer facts from :class:`~scopedmesh.layout.mesh_layout.MeshLayout` (no torch), which
+:mod:`scopedmesh.plan.cli` renders as text; the group arithmetic is in
+:mod:`scopedmesh.plan.arithmetic`. Above 64 ranks (unless ``full``) the lists
 are summarised and nothing costs O(world). Bad input raises ``ValueError`` naming
 the CLI option at fault.
 
@@ -46,8 +46,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scopedmesh._plan_math import group_coord, members, nth, residues, spans
-from scopedmesh.layout import MeshLayout
+from scopedmesh.layout.mesh_layout import MeshLayout
+from scopedmesh.plan.arithmetic import group_coord, members, nth, residues, spans
 
 __all__ = [
     "AxisPlan",

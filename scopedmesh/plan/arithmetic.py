@@ -4,7 +4,7 @@ Pure integer facts about a layout with the default ranks (stdlib only), never
 O(world): a group's ranks, the nodes it spans at ``nproc`` ranks per node, and
 how many groups start at each rank modulo ``nproc``.
 
->>> from scopedmesh.layout import MeshLayout
+>>> from scopedmesh.layout.mesh_layout import MeshLayout
 >>> layout = MeshLayout((2, 4, 8))
 >>> group_coord(layout, (1,), 3), nth(layout, (0, 0, 5), (1,), 2), spans(layout, (0, 0, 5), (1,), 8, [0])
 ((0, 0, 3), 21, [4])
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from scopedmesh.layout import MeshLayout
+from scopedmesh.layout.mesh_layout import MeshLayout
 
 __all__ = ["BUDGET", "group_coord", "members", "nth", "residues", "spans"]
 

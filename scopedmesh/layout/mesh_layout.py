@@ -3,8 +3,8 @@
 A layout maps mesh coordinates to global ranks in C order (the last axis varies
 fastest). It is stored as a strided view -- shape, strides, offset -- over a rank
 table, so a sub-layout costs O(ndim) and one group's ranks cost O(group size).
-The value, its axes and ``ravel``/``unravel`` live in :mod:`scopedmesh._strided`,
-sub-layouts in :mod:`scopedmesh._indexing`, groups in :mod:`scopedmesh._families`;
+The value, its axes and ``ravel``/``unravel`` live in :mod:`scopedmesh.layout.strided`,
+sub-layouts in :mod:`scopedmesh.layout.indexing`, groups in :mod:`scopedmesh.layout.families`;
 this module puts them together behind the checked constructor.
 
 >>> layout = MeshLayout((2, 2, 2), names=("dp", "pp", "tp"))
@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from scopedmesh._families import Families
-from scopedmesh._indexing import Index, Indexing
-from scopedmesh._ints import as_range, infer_shape, int_sequence
-from scopedmesh._strided import Axes, Axis, RavelMode, StridedLayout
+from scopedmesh.layout.families import Families
+from scopedmesh.layout.indexing import Index, Indexing
+from scopedmesh.layout.ints import as_range, infer_shape, int_sequence
+from scopedmesh.layout.strided import Axes, Axis, RavelMode, StridedLayout
 
 __all__ = ["Axes", "Axis", "Index", "MeshLayout", "RavelMode", "as_range"]
 

@@ -1,7 +1,7 @@
 """Group families of a layout: one group, the partition along axes, their coordinates.
 
 Stdlib only: ``group``, ``compact_group``, ``groups`` and ``coords_along`` of
-:class:`~scopedmesh.layout.MeshLayout`, with ``indices`` subsets of the axes.
+:class:`~scopedmesh.layout.mesh_layout.MeshLayout`, with ``indices`` subsets of the axes.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from scopedmesh._ints import as_range, int_sequence
-from scopedmesh._strided import Axes, StridedLayout
+from scopedmesh.layout.ints import as_range, int_sequence
+from scopedmesh.layout.strided import Axes, StridedLayout
 
 __all__ = ["Families"]
 
 
 class Families(StridedLayout):
-    """The group methods of :class:`~scopedmesh.layout.MeshLayout`."""
+    """The group methods of :class:`~scopedmesh.layout.mesh_layout.MeshLayout`."""
 
     __slots__ = ()
 

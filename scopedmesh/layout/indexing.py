@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeAlias, TypeVar
 
-from scopedmesh._ints import is_int
-from scopedmesh._strided import Axes, StridedLayout
+from scopedmesh.layout.ints import is_int
+from scopedmesh.layout.strided import Axes, StridedLayout
 
 __all__ = ["Index", "Indexing"]
 
@@ -18,7 +18,7 @@ _L = TypeVar("_L", bound="Indexing")
 
 
 class Indexing(StridedLayout):
-    """The sub-layout methods of :class:`~scopedmesh.layout.MeshLayout`."""
+    """The sub-layout methods of :class:`~scopedmesh.layout.mesh_layout.MeshLayout`."""
 
     __slots__ = ()
 

@@ -14,7 +14,7 @@ message goes to a peer.
 
 torch calls :func:`make_closable_gloo` through its custom-backend registry
 (``register()``), so the group is named and registered exactly as a gloo group
-would be; :func:`~scopedmesh._c10d.new_member_group` then records it as gloo.
+would be; :func:`~scopedmesh.c10d.groups.new_member_group` then records it as gloo.
 """
 
 from __future__ import annotations

@@ -1,0 +1,7 @@
+"""The torch boundary: the one layer that touches ``torch.distributed`` internals.
+
+``groups`` builds, names, counts and destroys process groups; ``names`` names
+their incarnations; ``closable`` is the gloo handle a mesh gives out;
+``checks`` validates backends and timeouts; ``device_mesh`` builds a torch
+``DeviceMesh`` over existing groups. Nothing here keeps state of its own.
+"""

@@ -1,0 +1,113 @@
+"""Re-form a mesh around lost ranks: the survivors close the old mesh and open a smaller one.
+
+No collective runs on WORLD (it holds the dead ranks): the new mesh's groups are
+made by their members only, like every group a mesh makes. The survivors must
+agree on the lost set. Either the caller passes it (from the launcher, a health
+check, a collective's error), or :func:`agree_on_lost` settles it in torch's
+distributed store: every survivor checks in, and the first verdict written after
+the deadline is the one every survivor reads.
+
+>>> import torch.distributed as dist
+>>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+>>> mesh = ProcessGroupMesh(1, 1, names=("dp", "tp"))
+>>> with reform(mesh, lost=[], axis="dp") as healed:
+...     healed.shape, mesh.closed
+((1, 1), True)
+>>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.errors import LostRankError
+from scopedmesh.layout.mesh_layout import Axis
+from scopedmesh.layout.survivors import shrink
+from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
+
+__all__ = ["LostRankError", "agree_on_lost", "reform"]  # LostRankError lives in errors
+
+_POLL = 0.05  # seconds between two looks at the store while survivors check in
+
+
+def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGroupMesh:
+    """Close ``mesh`` (if still open) and return the mesh of its survivors along ``axis``.
+
+    Every slice of ``axis`` holding a rank in ``lost`` is dropped (see
+    :func:`scopedmesh.layout.survivors.shrink`); the new mesh keeps the names, backend,
+    timeout and group options of ``mesh``. Closing is local and the new mesh
+    makes no group until asked, so nothing here communicates. Every survivor
+    must call it with the same ``lost`` and ``axis``; ranks that lose their
+    place (they shared a dropped slice with a lost rank) get ``LostRankError``
+    after ``mesh`` is closed: they sit out of the new mesh.
+    """
+    if not isinstance(mesh, ProcessGroupMesh):
+        raise TypeError(f"mesh must be a ProcessGroupMesh, got {mesh!r}")
+    layout = shrink(mesh.layout, lost, axis)
+    mesh.close()
+    if mesh.rank not in layout:
+        raise LostRankError(
+            f"rank {mesh.rank} shares a dropped slice of axis {mesh.layout.axis_name(axis)!r} "
+            f"with a lost rank; the survivors' mesh is {list(layout.ranks)}"
+        )
+    return ProcessGroupMesh(
+        layout.shape,
+        names=layout.names,
+        ranks=layout.ranks,
+        backend=mesh._backend,
+        timeout=mesh._timeout,
+        pg_options=mesh._pg_options,
+    )
+
+
+def agree_on_lost(
+    ranks: Sequence[int], rank: int, *, tag: str, timeout: timedelta | float
+) -> frozenset[int]:
+    """The ranks of ``ranks`` that did not check in by the deadline, the same on every survivor.
+
+    Each survivor writes ``scopedmesh-heal/<tag>/alive/<rank>`` and watches the
+    others' keys until all of ``ranks`` checked in or ``timeout`` passed. Then
+    it proposes its view with ``compare_set`` on one verdict key: the first
+    proposal wins and every survivor returns that one, so all agree even when
+    their views differ (a survivor that checked in late); a survivor that sees a
+    verdict before its own deadline takes it at once. A rank the verdict
+    counts as lost gets ``LostRankError``. ``tag`` names the event (say, the
+    step at which the collective failed); use a new tag for every heal. Choose
+    ``timeout`` longer than the spread of the survivors' failure times (about
+    the collective timeout: a peer of the dead rank fails at once, a rank whose
+    collective merely waits on it fails at the timeout). Store requests only;
+    the event leaves ``len(ranks) + 1`` small keys in the store.
+    """
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    members = sorted(set(ranks))
+    if rank not in members:
+        raise ValueError(f"rank {rank} is not in ranks {members}")
+    if not isinstance(tag, str) or not tag or "/" in tag:
+        raise ValueError(f"tag must be a non-empty str without '/', got {tag!r}")
+    store = _c10d.default_store()
+    prefix = f"scopedmesh-heal/{tag}"
+    store.set(f"{prefix}/alive/{rank}", "1")
+    deadline = time.monotonic() + seconds
+    alive: set[int] = {rank}
+    verdict_key = f"{prefix}/lost"
+    while True:
+        alive |= {r for r in members if r not in alive and store.check([f"{prefix}/alive/{r}"])}
+        if len(alive) == len(members) or time.monotonic() >= deadline:
+            break
+        if store.check([verdict_key]):  # a survivor already decided: read its verdict
+            break
+        time.sleep(_POLL)
+    view = ",".join(str(r) for r in members if r not in alive)
+    verdict = store.compare_set(verdict_key, "", f"lost:{view}").decode()
+    lost = frozenset(int(r) for r in verdict.removeprefix("lost:").split(",") if r)
+    if rank in lost:
+        raise LostRankError(
+            f"rank {rank} checked in after the survivors' deadline; they declared it lost "
+            f"(lost ranks {sorted(lost)}): it must not join the re-formed mesh"
+        )
+    return lost
