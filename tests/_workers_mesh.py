@@ -26,6 +26,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import MeshClosedError
+from scopedmesh.layout import MeshLayout
 from scopedmesh.mesh import ProcessGroupMesh
 
 Check = Callable[[int, int], dict[str, Any]]
@@ -292,6 +293,30 @@ def custom_ranks(rank: int, world_size: int) -> dict[str, Any]:
     else:
         out["outside"] = error_text(lambda: ProcessGroupMesh(2, 2, ranks=odd))
     out["beyond_world"] = error_text(lambda: ProcessGroupMesh(9, ranks=range(9)))
+    return out
+
+
+def from_layout(rank: int, world_size: int) -> dict[str, Any]:
+    """``ProcessGroupMesh.from_layout`` over a permuted table and over a slice, by all_reduce."""
+    out: dict[str, Any] = {}
+    live0 = _c10d.live_group_count()
+    order = [3, 1, 7, 5, 0, 2, 6, 4]
+    layout = MeshLayout((2, 4), names=("a", "b"), ranks=order)
+    with ProcessGroupMesh.from_layout(layout, timeout=TIMEOUT, eager=True) as mesh:
+        out["perm_live"] = _c10d.live_group_count() - live0  # eager: a and b
+        out["perm_coordinate"] = mesh.coordinate()
+        out["perm_a"] = members(mesh.get_group_along_axis("a"), world_size)
+        out["perm_b"] = members(mesh.get_group_along_axis("b"), world_size)
+        out["perm_timeout"] = mesh.timeout
+    sliced = MeshLayout((2, 4), names=("a", "b"))[:, 1::2]  # ranks 1 3 | 5 7
+    if rank in sliced:
+        with ProcessGroupMesh.from_layout(sliced, timeout=TIMEOUT) as mesh:
+            out["slice_coordinate"] = mesh.coordinate()
+            out["slice_a"] = members(mesh.get_group_along_axis("a"), world_size)
+            out["slice_ab"] = members(mesh.get_group_along_axis(("a", "b")), world_size)
+    else:
+        out["outside"] = error_text(lambda: ProcessGroupMesh.from_layout(sliced))
+    out["leaked"] = _c10d.live_group_count() - live0
     return out
 
 
@@ -678,6 +703,7 @@ MESH_CHECKS: list[Check] = [
     world_untouched,
     indices_subsets,
     custom_ranks,
+    from_layout,
     lazy_and_cached,
     submeshes,
     close_order,

@@ -9,6 +9,8 @@ RuntimeError from deep inside torch, an empty message or a hang. Covered:
 - ``ProcessGroupMesh`` (constructor arguments, axes, indices, coordinates,
   ``ranks=``, backend and option arguments, every public method) and
   ``scopedmesh.interop``: in a one-rank gloo world, every mesh closed.
+- every public ``timeout`` (the mesh, ``from_layout``, nodes, heal): one check,
+  one answer, in a fake-backend world in this process.
 - the same under ``python -O``: a subprocess replays a fixed-seed corpus.
 
 The long variants (``-m slow``) try more examples; ``-s`` prints the counts.
@@ -22,6 +24,8 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +261,84 @@ def test_mesh_bad_input_in_a_world() -> None:
 @pytest.mark.slow
 def test_mesh_bad_input_in_a_world_long() -> None:
     _mesh_fuzz(3000, seed=1)
+
+
+# ================================================ one timeout check, every entry
+
+BAD_TIMEOUTS: list[object] = [
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    -1,
+    0,
+    -0.0,
+    1e-7,  # below a microsecond: a zero timedelta
+    10**20,
+    10**400,
+    timedelta.max,
+    timedelta(-1),
+    timedelta(0),
+    "5",
+    True,
+    [1],
+    object(),
+]
+
+
+@pytest.fixture
+def fake_pair() -> Iterator[None]:
+    """Rank 0 of a 2-rank world on torch's ``fake`` backend: no peer, no communication."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process")
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("fake_pair")
+@pytest.mark.parametrize("value", BAD_TIMEOUTS, ids=repr)
+def test_every_public_timeout_gets_the_same_answer(value: object) -> None:
+    """The mesh, from_layout, world_nodes, node_aware_mesh and agree_on_lost share one check."""
+    from scopedmesh import ProcessGroupMesh
+    from scopedmesh.c10d.checks import check_timeout
+    from scopedmesh.heal import agree_on_lost
+    from scopedmesh.nodes import node_aware_mesh, world_nodes
+
+    with pytest.raises((TypeError, ValueError)) as expected:
+        check_timeout(value)
+    kind, message = type(expected.value), str(expected.value)
+    assert message.startswith("timeout must be ")
+    entries: dict[str, Callable[[], object]] = {
+        "ProcessGroupMesh": lambda: ProcessGroupMesh(2, timeout=value),  # type: ignore[arg-type]
+        "from_layout": lambda: ProcessGroupMesh.from_layout(MeshLayout((2,)), timeout=value),  # type: ignore[arg-type]
+        "world_nodes": lambda: world_nodes(source="hostname", timeout=value),  # type: ignore[arg-type]
+        "node_aware_mesh": lambda: node_aware_mesh(2, intra_node=0, nodes=[0, 0], timeout=value),  # type: ignore[arg-type]
+        "agree_on_lost": lambda: agree_on_lost([0, 1], 0, tag="t", timeout=value),  # type: ignore[arg-type]
+    }
+    for name, call in entries.items():
+        with pytest.raises(kind) as caught:
+            call()
+        assert str(caught.value) == message, name
+
+
+def test_a_timeout_check_names_its_argument() -> None:
+    from scopedmesh.c10d.checks import MAX_TIMEOUT, check_timeout
+
+    assert check_timeout(1.5, "wait") == timedelta(seconds=1.5)
+    assert check_timeout(MAX_TIMEOUT) == MAX_TIMEOUT
+    with pytest.raises(ValueError, match=r"^grace must be positive, got 0$"):
+        check_timeout(0, "grace")
+    with pytest.raises(
+        TypeError, match=r"^init_timeout must be a timedelta or a number of seconds"
+    ):
+        check_timeout(None, "init_timeout")
+    with pytest.raises(ValueError, match=r"^wait must be at most .* int64 microseconds"):
+        check_timeout(MAX_TIMEOUT + timedelta(microseconds=1), "wait")
 
 
 # ====================================================== python -O replay

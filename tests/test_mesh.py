@@ -9,8 +9,10 @@ on a rank fails its test with that rank's traceback.
 from __future__ import annotations
 
 import gc
+import tracemalloc
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import _workers_mesh as workers
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from scopedmesh import MeshClosedError
 from scopedmesh.c10d import groups as _c10d
+from scopedmesh.layout import MeshLayout
 from scopedmesh.mesh import ProcessGroupMesh
 from scopedmesh.testing import run_world
 
@@ -136,6 +139,30 @@ def test_custom_ranks_permutation(world: list[dict[str, Any]]) -> None:
         assert f["perm_a"] == hand_group(hand_a, rank)
         assert f["perm_b"] == hand_group(hand_b, rank)
         assert f["perm_local_rank_b"] == hand_group(hand_b, rank).index(rank)
+
+
+def test_from_layout_forms_the_groups_of_that_layout(world: list[dict[str, Any]]) -> None:
+    # The permuted 2 x 4 layout of test_custom_ranks_permutation (eager: groups a and b);
+    # then columns 1 and 3 of the default 2 x 4 layout, a 2 x 2 slice:
+    #   a=0: 1 3
+    #   a=1: 5 7
+    coord = {3: (0, 0), 1: (0, 1), 7: (0, 2), 5: (0, 3), 0: (1, 0), 2: (1, 1), 6: (1, 2), 4: (1, 3)}
+    hand_a = [[0, 3], [1, 2], [6, 7], [4, 5]]
+    hand_b = [[1, 3, 5, 7], [0, 2, 4, 6]]
+    slice_coord = {1: (0, 0), 3: (0, 1), 5: (1, 0), 7: (1, 1)}
+    for rank, f in enumerate(facts(world, "from_layout")):
+        assert f["perm_live"] == 2
+        assert f["perm_coordinate"] == coord[rank]
+        assert f["perm_a"] == hand_group(hand_a, rank)
+        assert f["perm_b"] == hand_group(hand_b, rank)
+        assert f["perm_timeout"] == timedelta(seconds=workers.TIMEOUT)
+        if rank % 2:
+            assert f["slice_coordinate"] == slice_coord[rank]
+            assert f["slice_a"] == hand_group([[1, 5], [3, 7]], rank)
+            assert f["slice_ab"] == [1, 3, 5, 7]
+        else:
+            assert f"(global rank {rank}) is not in the mesh's ranks" in f["outside"]
+        assert f["leaked"] == 0
 
 
 def test_custom_ranks_subset_and_outsiders(world: list[dict[str, Any]]) -> None:
@@ -479,3 +506,131 @@ def test_a_mesh_needs_at_least_one_axis() -> None:
         ProcessGroupMesh()
     with pytest.raises(ValueError, match="at least one axis"):
         ProcessGroupMesh([])
+
+
+# ============================================ from_layout, on a fake world in this process
+
+FAKE_WORLD = 1 << 20
+FAKE_RANK = 5
+
+
+@pytest.fixture
+def fake_world() -> Iterator[None]:
+    """Rank 5 of a 2^20-rank world on torch's ``fake`` backend, in this process."""
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    dist.init_process_group(
+        "fake",
+        store=dist.HashStore(),  # type: ignore[attr-defined]
+        rank=FAKE_RANK,
+        world_size=FAKE_WORLD,
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _ranks_of(group: dist.ProcessGroup | None) -> list[int] | None:
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+@pytest.mark.usefixtures("fake_world")
+def test_from_layout_is_the_constructor_over_that_layout() -> None:
+    names = ("dp", "pp", "tp")
+    layout = MeshLayout((FAKE_WORLD // 64, 8, 8), names=names)
+    live0 = _c10d.live_group_count()
+    built = ProcessGroupMesh(FAKE_WORLD // 64, 8, 8, names=names, timeout=30)
+    with ProcessGroupMesh.from_layout(layout, timeout=30, eager=True) as mesh:
+        assert mesh.layout == layout == built.layout
+        assert mesh.coordinate() == built.coordinate() == (0, 0, 5)
+        assert (mesh.backend, mesh.timeout, mesh.pg_options) == (None, timedelta(seconds=30), None)
+        assert (built.backend, built.timeout, built.pg_options) == (
+            mesh.backend,
+            mesh.timeout,
+            None,
+        )
+        assert _c10d.live_group_count() - live0 == 3  # eager: one group per axis
+        assert _ranks_of(mesh.get_group_along_axis("tp")) == list(range(8))
+        assert _ranks_of(mesh.get_group_along_axis("pp")) == list(range(5, 64, 8))
+        assert mesh.submesh("pp", "tp").get_group_along_axis("tp") is mesh.get_group_along_axis(
+            "tp"
+        )
+    built.close()
+    assert _c10d.live_group_count() == live0
+
+
+@pytest.mark.usefixtures("fake_world")
+def test_from_layout_keeps_a_permuted_table_and_a_slice() -> None:
+    # ranks [7, 5, 3, 1] laid out 2 x 2: rank 5 sits at (0, 1); torch lists members ascending.
+    with ProcessGroupMesh.from_layout(MeshLayout((2, 2), ranks=[7, 5, 3, 1])) as mesh:
+        assert mesh.coordinate() == (0, 1)
+        assert _ranks_of(mesh.get_group_along_axis(0)) == [1, 5]
+        assert _ranks_of(mesh.get_group_along_axis(1)) == [5, 7]
+    # Columns 1 and 2 of a 4 x 4 grid: rows 1 2 | 5 6 | 9 10 | 13 14; rank 5 at (1, 0).
+    sliced = MeshLayout((4, 4), names=("r", "c"))[:, 1:3]
+    with ProcessGroupMesh.from_layout(sliced) as mesh:
+        assert (mesh.shape, mesh.coordinate()) == ((4, 2), (1, 0))
+        assert _ranks_of(mesh.get_group_along_axis("r")) == [1, 5, 9, 13]
+        assert _ranks_of(mesh.get_group_along_axis("c")) == [5, 6]
+
+
+@pytest.mark.usefixtures("fake_world")
+def test_from_layout_checks_its_arguments_like_the_constructor() -> None:
+    layout = MeshLayout((8,))
+    live0 = _c10d.live_group_count()
+    refused: list[tuple[type[Exception], str, dict[str, Any]]] = [
+        (TypeError, "layout must be a MeshLayout, got \\(2, 2\\)", {"layout": (2, 2)}),
+        (ValueError, "layout must have at least one axis", {"layout": MeshLayout(())}),
+        (
+            ValueError,
+            "ranks must lie in the world of 1048576 ranks",
+            {"layout": MeshLayout((2,), ranks=[FAKE_RANK, FAKE_WORLD])},
+        ),
+        (
+            ValueError,
+            "global rank 5\\) is not in the mesh's ranks",
+            {"layout": MeshLayout((2,), ranks=[0, 1])},
+        ),
+        (TypeError, "eager must be a bool, got 'yes'", {"eager": "yes"}),
+        (ValueError, "timeout must be positive, got -1", {"timeout": -1}),
+        (ValueError, "timeout must be a finite number of seconds", {"timeout": float("nan")}),
+        (TypeError, "timeout must be a timedelta or a number of seconds", {"timeout": "5"}),
+        (ValueError, "backend 'bogus' is not available", {"backend": "bogus"}),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # a refused mesh was never open
+        for error, message, change in refused:
+            kwargs: dict[str, Any] = {"layout": layout, **change}
+            with pytest.raises(error, match=message):
+                ProcessGroupMesh.from_layout(**kwargs)
+            gc.collect()
+        with pytest.raises(TypeError):
+            ProcessGroupMesh.from_layout(layout, "gloo")  # type: ignore[misc]  # keywords only
+    assert _c10d.live_group_count() == live0
+
+
+@pytest.mark.usefixtures("fake_world")
+def test_from_layout_does_not_expand_a_layout_over_the_default_ranks() -> None:
+    # The rank table of 2^20 ranks would take megabytes; the mesh needs O(ndim).
+    layout = MeshLayout((FAKE_WORLD // 64, 8, 8), names=("dp", "pp", "tp"))
+    tracemalloc.start()
+    try:
+        mesh = ProcessGroupMesh.from_layout(layout)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    mesh.close()
+    assert peak < 256 * 1024, peak
+
+
+@pytest.mark.usefixtures("fake_world")
+def test_group_defaults_are_read_only_properties() -> None:
+    with ProcessGroupMesh(8, ranks=range(8), backend="fake", timeout=timedelta(minutes=1)) as mesh:
+        assert (mesh.backend, mesh.timeout) == ("fake", timedelta(seconds=60))
+        with pytest.raises(AttributeError):
+            mesh.timeout = timedelta(seconds=1)  # type: ignore[misc]
+        stage = mesh.submesh(0)
+        assert (stage.backend, stage.timeout, stage.pg_options) == ("fake", mesh.timeout, None)

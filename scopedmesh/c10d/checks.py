@@ -6,6 +6,7 @@ datetime.timedelta(seconds=1, microseconds=500000)
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -47,24 +48,37 @@ def check_backend(backend: object, argument: str) -> str | None:
     return name
 
 
-def check_timeout(timeout: object) -> timedelta | None:
-    """``timeout`` (a ``timedelta`` or seconds) as a positive ``timedelta``, or None."""
-    if timeout is None or isinstance(timeout, timedelta):
+def check_timeout(timeout: object, argument: str = "timeout") -> timedelta:
+    """``timeout`` (a ``timedelta`` or a number of seconds) as a positive ``timedelta``.
+
+    The one check of every public ``timeout``: finite, positive, and at most
+    :data:`MAX_TIMEOUT`. ``None`` is not a timeout: a caller for whom it means
+    "the default" says so before calling. Messages name ``argument``.
+
+    >>> check_timeout(timedelta(minutes=2))
+    datetime.timedelta(seconds=120)
+    >>> check_timeout(float("inf"), "wait")
+    Traceback (most recent call last):
+    ValueError: wait must be a finite number of seconds, got inf
+    """
+    if isinstance(timeout, timedelta):
         result = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if isinstance(timeout, float) and not math.isfinite(timeout):
+            raise ValueError(f"{argument} must be a finite number of seconds, got {timeout!r}")
+        if timeout <= 0:
+            raise ValueError(f"{argument} must be positive, got {timeout!r}")
         try:
             result = timedelta(seconds=timeout)
-        except (OverflowError, ValueError):  # inf, nan, or more days than timedelta holds
-            raise ValueError(
-                f"timeout must be a finite number of seconds, got {timeout!r}"
-            ) from None
+        except OverflowError:  # more days than timedelta holds
+            result = timedelta.max
     else:
-        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
-    if result is not None and result <= timedelta(0):
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-    if result is not None and result > MAX_TIMEOUT:
+        raise TypeError(f"{argument} must be a timedelta or a number of seconds, got {timeout!r}")
+    if result <= timedelta(0):  # a negative timedelta, or seconds below a microsecond
+        raise ValueError(f"{argument} must be positive, got {timeout!r}")
+    if result > MAX_TIMEOUT:
         raise ValueError(
-            f"timeout must be at most {MAX_TIMEOUT} (torch counts it in int64 microseconds), "
+            f"{argument} must be at most {MAX_TIMEOUT} (torch counts it in int64 microseconds), "
             f"got {timeout!r}"
         )
     return result

@@ -1,164 +1,117 @@
-"""The group cache of a mesh: one group per (ranks, backend), made on first request by its members.
+"""The group table a mesh and its sub-meshes share: one group per (ranks, backend).
 
-:class:`GroupCache` is the group half of :class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh`:
-``get_group_along_axis`` and its fast path, formation through
-:mod:`scopedmesh.c10d.groups`, and the errors that name the axis and ranks.
+A :class:`GroupTable` is what a tree of scopes shares (as trio's scopes share
+a ``CancelStatus``): the registry ``(ranks, backend) -> Entry``, the one lock
+its scopes take, torch's liveness map, and formation, which calls
+:mod:`scopedmesh.c10d.groups` and words the error when members do not meet. It knows no axis, no coordinate and no lifetime: a scope
+(:mod:`scopedmesh.mesh.scope`) records the entries it formed and hands them back
+to :meth:`GroupTable.release` when it closes.
+
+>>> table = GroupTable()
+>>> len(table), table.get((range(0, 2), "gloo")) is None
+(0, True)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.c10d.checks import check_backend
 from scopedmesh.errors import GroupFormationError
-from scopedmesh.layout.mesh_layout import Axes, Axis
-from scopedmesh.mesh.scope import Entry, Scope
 
-__all__ = ["GroupCache", "plain_axes"]
+__all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
+
+GroupKey = tuple[range | tuple[int, ...], str]  # (ascending global ranks, backend name)
 
 
-class GroupCache(Scope):
-    """Make, cache and hand out this rank's groups along axes of the mesh."""
+class Entry:
+    """One group of a table; ``alive`` turns False when the scope that formed it releases it.
 
-    def get_group_along_axis(
-        self,
-        axis: Axes,
-        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        backend: str | None = None,
-        pg_options: Any = None,
-    ) -> dist.ProcessGroup | None:
-        """This rank's group along ``axis`` (one or several axes), made on first use.
+    A non-member's answer is an ``Entry`` too (``group`` None), never registered.
+    """
 
-        ``indices_at_axis`` keeps only those positions of the axes (e.g. ``[0, -1]``
-        for the first and last pipeline stages); ranks outside them get ``None``.
-        Every member must request the group, in the same order as its peers.
-        If a member does not arrive within the mesh's timeout, this raises
-        :class:`GroupFormationError`; once every member asks again, it forms.
+    __slots__ = ("alive", "group", "key", "options")
+
+    def __init__(self, key: GroupKey, group: dist.ProcessGroup | None, options: object) -> None:
+        self.key = key
+        self.group = group
+        self.options = options
+        self.alive = True
+
+
+class GroupTable:
+    """The registry, lock and formation shared by a mesh and all its sub-meshes.
+
+    ``lock`` is re-entrant: group formation, closing and sub-mesh bookkeeping of
+    every scope over this table run one thread at a time. ``live`` is torch's
+    map of live groups (read-only), kept here so that a cached lookup tests
+    liveness with one ``in``.
+    """
+
+    __slots__ = ("_entries", "live", "lock")
+
+    def __init__(self) -> None:
+        self._entries: dict[GroupKey, Entry] = {}
+        self.lock = threading.RLock()
+        self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
+
+    def __len__(self) -> int:
+        """The number of groups registered (formed and not yet released)."""
+        return len(self._entries)
+
+    def get(self, key: GroupKey) -> Entry | None:
+        """The registered entry for ``key``, or None."""
+        return self._entries.get(key)
+
+    def is_live(self, entry: Entry) -> bool:
+        """Whether ``entry``'s group is still registered with torch (a non-member's is)."""
+        return entry.group is None or entry.group in self.live
+
+    def form(self, key: GroupKey, options: Any, *, timeout: timedelta | None, what: str) -> Entry:
+        """Make the group of ``key`` (this rank is a member) and register it.
+
+        ``what`` names it in torch's tools and in the error (``"axis 'tp'"``).
+        A group that cannot be made raises :class:`GroupFormationError`; nothing
+        is registered then. The caller holds :attr:`lock`.
         """
-        if indices_at_axis is None and backend is None and pg_options is None:
-            try:
-                entry = self._by_axis[axis]
-            except (KeyError, TypeError):  # not cached yet, or an unhashable axes list
-                pass
-            else:
-                kind = axis.__class__
-                if (
-                    entry.alive
-                    and (kind is str or kind is int or plain_axes(axis))
-                    and (entry.group is None or entry.group in self._live)
-                ):
-                    return entry.group
-        return self._get_group(axis, indices_at_axis, backend, pg_options)
-
-    def create_group_along_axis(
-        self,
-        axis: Axes,
-        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        backend: str | None = None,
-        pg_options: Any = None,
-    ) -> dist.ProcessGroup | None:
-        """Same as :meth:`get_group_along_axis`: a group is never made twice."""
-        return self._get_group(axis, indices_at_axis, backend, pg_options)
-
-    def create_groups(self, *axes: Axis) -> None:
-        """Make this rank's group along each of ``axes`` (default: every axis), in mesh order."""
-        chosen = self._layout.axes_indices(axes) if axes else range(self._layout.ndim)
-        for axis in sorted(chosen):
-            self.get_group_along_axis(axis)
-
-    def get_ranks_in_group(self, group: dist.ProcessGroup) -> list[int]:
-        """The global ranks of ``group``, in group-rank order."""
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a ProcessGroup, got {group!r}")
-        return dist.get_process_group_ranks(group)
-
-    def _get_group(
-        self,
-        axis: Axes,
-        indices: object,
-        backend: str | None,
-        pg_options: Any,
-    ) -> dist.ProcessGroup | None:
-        with self._lock:
-            return self._get_group_locked(axis, indices, backend, pg_options)
-
-    def _get_group_locked(
-        self,
-        axis: Axes,
-        indices: object,
-        backend: str | None,
-        pg_options: Any,
-    ) -> dist.ProcessGroup | None:
-        self._check_open()
-        ranks = self._layout.compact_group(self._coord, axis, indices)
-        backend_name = self._backend_name(check_backend(backend, "backend"))
-        options = self._pg_options if pg_options is None else pg_options
-        if self._rank not in ranks:
-            entry = Entry((ranks, backend_name), None, options)
-        else:
-            entry = self._registry.get((ranks, backend_name)) or self._make(
-                ranks, backend_name, options, self._describe(axis, indices)
-            )
-            if entry.group is not None and entry.group not in self._live:
-                raise RuntimeError(
-                    f"the group along {self._describe(axis, indices)} over ranks {list(ranks)} "
-                    "was destroyed outside this mesh (by torch.distributed.destroy_process_group); "
-                    "the mesh does not make it again behind its peers' backs. Close this mesh "
-                    "and make a new one"
-                )
-            if pg_options is not None and entry.options is not options:
-                raise ValueError(
-                    f"pg_options differ from those of the existing group over ranks {list(ranks)} "
-                    f"on {backend_name!r}; a mesh keeps one group per (ranks, backend)"
-                )
-        if indices is None and backend is None and pg_options is None:
-            try:
-                self._by_axis[axis] = entry
-            except TypeError:  # unhashable axes: no fast path
-                pass
-        return entry.group
-
-    def _make(self, ranks: range | tuple[int, ...], backend: str, options: Any, what: str) -> Entry:
+        ranks, backend = key
         try:
             group = _c10d.new_member_group(
                 ranks,
                 backend=backend,
-                timeout=self._timeout,
+                timeout=timeout,
                 pg_options=options,
                 description=f"scopedmesh:{what}",
             )
         except RuntimeError as error:
-            raise formation_error(backend, what, ranks, self._timeout, error) from error
-        entry = Entry((ranks, backend), group, options)
-        self._registry[entry.key] = entry
-        self._created.append(entry)
+            raise formation_error(backend, what, ranks, timeout, error) from error
+        entry = Entry(key, group, options)
+        self._entries[key] = entry
         return entry
 
-    def _describe(self, axis: Axes, indices: object) -> str:
-        chosen = self._layout.axes_indices(axis)
-        names = tuple(self._layout.axis_name(a) for a in chosen)
-        what = f"axis {names[0]!r}" if len(names) == 1 else f"axes {names}"
-        return what if indices is None else f"{what} at indices {indices}"
+    def release(self, entries: Iterable[Entry]) -> list[Exception]:
+        """Unregister ``entries`` and destroy their groups, in the order given; no communication.
 
-    def _backend_name(self, backend: str | None) -> str:
-        chosen = backend or self._backend or dist.get_backend()
-        return str(dist.Backend(chosen))
-
-
-def plain_axes(axis: object) -> bool:
-    """Whether ``axis`` is an int, a str or a tuple of them: safe as a cache key.
-
-    ``1.0 == 1`` and ``(0, True) == (0, 1)``: such keys must not reach the cache.
-    """
-    cls = axis.__class__
-    if cls is int or cls is str:
-        return True
-    return cls is tuple and all(a.__class__ is int or a.__class__ is str for a in axis)  # type: ignore[attr-defined]
+        Groups already destroyed behind the table's back are skipped. A failure
+        does not stop the others; the failures are returned, first first. The
+        caller holds :attr:`lock`.
+        """
+        errors: list[Exception] = []
+        for entry in entries:
+            entry.alive = False
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            if entry.group is not None:
+                try:
+                    _c10d.destroy(entry.group)
+                except Exception as error:  # keep going: the other groups must still go
+                    errors.append(error)
+        return errors
 
 
 # Words of torch's store and gloo's transport when members did not meet in time.

@@ -23,8 +23,9 @@ from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.errors import LostRankError
-from scopedmesh.layout.mesh_layout import Axis
+from scopedmesh.layout import Axis
 from scopedmesh.layout.survivors import shrink
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
@@ -53,13 +54,8 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
             f"rank {mesh.rank} shares a dropped slice of axis {mesh.layout.axis_name(axis)!r} "
             f"with a lost rank; the survivors' mesh is {list(layout.ranks)}"
         )
-    return ProcessGroupMesh(
-        layout.shape,
-        names=layout.names,
-        ranks=layout.ranks,
-        backend=mesh._backend,
-        timeout=mesh._timeout,
-        pg_options=mesh._pg_options,
+    return ProcessGroupMesh.from_layout(
+        layout, backend=mesh.backend, timeout=mesh.timeout, pg_options=mesh.pg_options
     )
 
 
@@ -81,9 +77,7 @@ def agree_on_lost(
     collective merely waits on it fails at the timeout). Store requests only;
     the event leaves ``len(ranks) + 1`` small keys in the store.
     """
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    seconds = check_timeout(timeout).total_seconds()
     members = sorted(set(ranks))
     if rank not in members:
         raise ValueError(f"rank {rank} is not in ranks {members}")

@@ -27,7 +27,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from scopedmesh.layout.mesh_layout import Axes
+from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.layout import Axes, MeshLayout
 from scopedmesh.layout.placement import node_aware_ranks, node_numbers, nodes_from_env
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
@@ -57,7 +58,7 @@ def world_nodes(
         raise RuntimeError(
             "world_nodes needs torch.distributed: call torch.distributed.init_process_group() first"
         )
-    wait = _check_timeout(timeout)
+    wait = DEFAULT_TIMEOUT if timeout is None else check_timeout(timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if source != "hostname":
         nodes = nodes_from_env(os.environ)
@@ -113,22 +114,6 @@ def _gather_hosts(host: str | None, wait: timedelta, rank: int, world: int) -> l
     return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in every]
 
 
-def _check_timeout(timeout: object) -> timedelta:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if isinstance(timeout, timedelta):
-        result = timeout
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        if timeout != timeout or timeout in (float("inf"), float("-inf")):
-            raise ValueError(f"timeout must be a finite number of seconds, got {timeout!r}")
-        result = timedelta(seconds=timeout)
-    else:
-        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
-    if result <= timedelta(0):
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-    return result
-
-
 def node_aware_mesh(
     *shape: int | Sequence[int],
     intra_node: Axes,
@@ -169,10 +154,8 @@ def node_aware_mesh(
                 f"got {len(labels)} labels"
             )
     table = node_aware_ranks(dims, labels, intra_node, names=names)  # type: ignore[arg-type]
-    return ProcessGroupMesh(
-        dims,  # type: ignore[arg-type]
-        names=names,
-        ranks=table,
+    return ProcessGroupMesh.from_layout(
+        MeshLayout(dims, names, table),  # type: ignore[arg-type]
         backend=backend,
         timeout=timeout,
         pg_options=pg_options,

@@ -1,9 +1,11 @@
 """ProcessGroupMesh: an N-D mesh that owns the process groups it makes, for a scope.
 
-The class puts together its scope (:mod:`scopedmesh.mesh.scope`), its group cache
-(:mod:`scopedmesh.mesh.group_table`) and the ColossalAI static helpers
-(:mod:`scopedmesh.layout.colossal`); this module holds construction, layout facts and
-sub-meshes.
+A mesh (or sub-mesh) holds what is its own: its layout, this rank's coordinate,
+the defaults for its groups, and the caches of what it handed out. It is
+composed of a :class:`~scopedmesh.mesh.scope.Scope` (its lifetime: the groups
+it made, its children) and the :class:`~scopedmesh.mesh.group_table.GroupTable`
+that a mesh and all its sub-meshes share (the registry, the lock, formation).
+The ColossalAI static helpers come from :mod:`scopedmesh.layout.colossal`.
 
 >>> import torch.distributed as dist
 >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -16,30 +18,33 @@ sub-meshes.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, overload
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch.distributed as dist
 
-from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_backend, check_timeout
-from scopedmesh.layout.mesh_layout import Axes, Axis, MeshLayout
+from scopedmesh.layout import Axes, Axis, MeshLayout
 from scopedmesh.layout import colossal as _seed
-from scopedmesh.mesh.group_table import GroupCache, plain_axes
+from scopedmesh.mesh.group_table import Entry, GroupTable
+from scopedmesh.mesh.scope import Scope
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ProcessGroupMesh"]
+__all__ = ["ProcessGroupMesh", "plain_axes"]
+
+_M = TypeVar("_M", bound="ProcessGroupMesh")
 
 
-class ProcessGroupMesh(GroupCache):
+class ProcessGroupMesh:
     """An N-D mesh over global ranks that makes, caches and destroys its groups.
 
     Groups are made on first request by their members only; ``close()`` (or the
     end of a ``with`` block) destroys exactly the groups this scope made.
+    :meth:`from_layout` builds a mesh from a :class:`~scopedmesh.layout.MeshLayout`.
 
     Args:
         *shape: the size of each axis (or one tuple); one may be ``-1``.
@@ -77,16 +82,20 @@ class ProcessGroupMesh(GroupCache):
     incarnations across ranks.
     """
 
-    # The group methods, defined in scopedmesh.mesh.group_table, named here too so that the
-    # class's own namespace lists its whole API (for help() and introspection).
-    get_group_along_axis = GroupCache.get_group_along_axis
-    create_group_along_axis = GroupCache.create_group_along_axis
-    create_groups = GroupCache.create_groups
-    get_ranks_in_group = GroupCache.get_ranks_in_group
-
+    _layout: MeshLayout
+    _rank: int
+    _coord: tuple[int, ...]
+    _parent: ProcessGroupMesh | None  # keeps the parent alive while a sub-mesh is in use
+    _backend: str | None
+    _timeout: timedelta | None
+    _pg_options: Any
+    _scope: Scope  # this mesh's lifetime: the groups it made, its children
+    _table: GroupTable  # shared by a mesh and all its sub-meshes (registry, lock, formation)
+    _live: Mapping[dist.ProcessGroup, object]  # the table's live-group map, for the fast path
+    _by_axis: dict[object, Entry]  # fast path: axis as given -> entry; emptied on close
+    _slices: dict[tuple[int, ...], ProcessGroupMesh]  # made by mesh[...]; emptied on close
     # Sub-layouts and coordinates by the axes asked for: a sub-mesh costs O(1) when repeated.
     _planes: dict[tuple[Axis, ...], tuple[MeshLayout, tuple[int, ...]]]
-    _slices: dict[tuple[int, ...], ProcessGroupMesh]  # made by mesh[...], by axes
 
     def __init__(
         self,
@@ -98,32 +107,72 @@ class ProcessGroupMesh(GroupCache):
         pg_options: Any = None,
         eager: bool = False,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "ProcessGroupMesh needs torch.distributed: call "
-                "torch.distributed.init_process_group() first"
-            )
+        _require_world()
         if not shape:
             raise TypeError("ProcessGroupMesh needs a shape, e.g. ProcessGroupMesh(2, 4)")
-        if not isinstance(eager, bool):
-            raise TypeError(f"eager must be a bool, got {eager!r}")
+        _check_eager(eager)
         dims = shape[0] if len(shape) == 1 and isinstance(shape[0], Sequence) else shape
         if not dims:
             raise ValueError("shape must have at least one axis, e.g. ProcessGroupMesh(2, 4)")
         world_size = dist.get_world_size()
         layout = MeshLayout(dims, names, range(world_size) if ranks is None else ranks)  # type: ignore[arg-type]
         if ranks is not None:
-            largest = max(ranks[0], ranks[-1]) if isinstance(ranks, range) else max(ranks)
-            if largest >= world_size:
-                raise ValueError(
-                    f"ranks must lie in the world of {world_size} ranks (0..{world_size - 1}), "
-                    f"got rank {largest}"
-                )
+            _check_in_world(max(ranks[0], ranks[-1]) if isinstance(ranks, range) else max(ranks))
+        self._open(layout, backend, timeout, pg_options, eager)
+
+    @classmethod
+    def from_layout(
+        cls: type[_M],
+        layout: MeshLayout,
+        *,
+        backend: str | None = None,
+        timeout: timedelta | float | None = None,
+        pg_options: Any = None,
+        eager: bool = False,
+    ) -> _M:
+        """A mesh over ``layout``: its shape, names and ranks (in its order), on this rank.
+
+        The keyword arguments are the constructor's, checked the same way; the
+        layout's ranks must lie in the world, and this rank among them. Costs
+        what the constructor costs: a layout over the default ranks is not
+        expanded. Useful for a layout computed elsewhere (a sub-layout, a shrunk
+        or node-aware table):
+
+        >>> import torch.distributed as dist
+        >>> from scopedmesh.layout import MeshLayout
+        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        >>> layout = MeshLayout((1, 1), names=("dp", "tp"))
+        >>> with ProcessGroupMesh.from_layout(layout, timeout=30) as mesh:
+        ...     mesh.layout == layout, mesh.timeout, mesh.get_group_along_axis("tp").size()
+        (True, datetime.timedelta(seconds=30), 1)
+        >>> dist.destroy_process_group()
+        """
+        _require_world()
+        if not isinstance(layout, MeshLayout):
+            raise TypeError(f"layout must be a MeshLayout, got {layout!r}")
+        if not layout.ndim:
+            raise ValueError(f"layout must have at least one axis, got {layout!r}")
+        _check_eager(eager)
+        every = layout.compact_group((0,) * layout.ndim, tuple(range(layout.ndim)))
+        _check_in_world(every[-1])  # ascending: the largest rank, O(ndim) for a range
+        mesh = object.__new__(cls)
+        mesh._open(layout, backend, timeout, pg_options, eager)
+        return mesh
+
+    def _open(
+        self,
+        layout: MeshLayout,
+        backend: object,
+        timeout: object,
+        pg_options: Any,
+        eager: bool,
+    ) -> None:
+        """Set up a root mesh from checked arguments; with ``eager``, make its groups."""
         self._init(
             layout,
             parent=None,
             backend=check_backend(backend, "backend"),
-            timeout=check_timeout(timeout),
+            timeout=None if timeout is None else check_timeout(timeout),
             pg_options=pg_options,
         )
         if eager:
@@ -143,7 +192,7 @@ class ProcessGroupMesh(GroupCache):
         pg_options: Any,
         place: tuple[int, tuple[int, ...]] | None = None,
     ) -> None:
-        """Set up a scope; ``place`` is this rank and its coordinate, when known."""
+        """Set up a mesh or sub-mesh; ``place`` is this rank and its coordinate, when known."""
         if place is None:
             rank = dist.get_rank()
             if rank not in layout:
@@ -155,20 +204,65 @@ class ProcessGroupMesh(GroupCache):
         self._layout = layout
         self._rank, self._coord = place
         self._parent = parent
-        # The group cache is shared by a mesh and all its sub-meshes: one group per key.
-        self._registry = {} if parent is None else parent._registry
-        self._lock = threading.RLock() if parent is None else parent._lock
         self._backend = backend
         self._timeout = timeout
         self._pg_options = pg_options
-        self._by_axis = {}  # fast path: axis as given -> entry
-        self._live = _c10d.live_groups()
-        self._planes = {}
-        self._created = []
-        self._children = []
-        self._closed = False
-        self._entered = False
+        self._by_axis = {}
         self._slices = {}
+        self._planes = {}
+        caches = (self._by_axis, self._slices)
+        # Set last: __del__ reads _scope, and a mesh whose set-up failed was never open.
+        scope = Scope(GroupTable(), forget=caches) if parent is None else parent._scope.nest(caches)
+        self._table = scope.table
+        self._live = scope.table.live
+        self._scope = scope
+
+    # --------------------------------------------------------------- lifetime
+
+    def __enter__(self: _M) -> _M:
+        """Enter the scope (once); a closed mesh raises :class:`MeshClosedError`."""
+        self._scope.enter(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._scope.exit(self, exc_type, exc)
+
+    def close(self) -> None:
+        """Destroy the groups this scope made, newest first; then later calls are no-ops.
+
+        Open sub-meshes close first. Groups already destroyed (e.g. by a global
+        ``dist.destroy_process_group()``) are skipped. No communication happens.
+        If destroying a group fails, the others are still destroyed and the first
+        error is raised at the end.
+        """
+        self._scope.close()
+
+    def destroy_mesh_process_groups(self) -> None:
+        """Same as :meth:`close` (the name ColossalAI uses)."""
+        self._scope.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether this scope has closed."""
+        return self._scope.closed
+
+    def __del__(self) -> None:
+        scope = getattr(self, "_scope", None)
+        if scope is not None:
+            scope.warn_if_dropped_open(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._scope.closed else "open"
+        kind = "sub-mesh" if self._scope.parent is not None else "mesh"
+        names = f", names={self._layout.names}" if self._layout.names else ""
+        return (
+            f"<ProcessGroupMesh {kind} shape={self._layout.shape}{names} rank={self._rank} {state}>"
+        )
 
     # ---------------------------------------------------------- layout facts
 
@@ -191,6 +285,21 @@ class ProcessGroupMesh(GroupCache):
     def rank(self) -> int:
         """This process's global rank."""
         return self._rank
+
+    @property
+    def backend(self) -> str | None:
+        """The default backend of this mesh's groups (torch's name), or None: WORLD's."""
+        return self._backend
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The default timeout of this mesh's groups, or None: torch's default."""
+        return self._timeout
+
+    @property
+    def pg_options(self) -> Any:
+        """The default backend options of this mesh's groups, or None."""
+        return self._pg_options
 
     @overload
     def size(self, dim: None = None) -> tuple[int, ...]: ...
@@ -229,6 +338,113 @@ class ProcessGroupMesh(GroupCache):
     unravel = staticmethod(_seed.unravel)
     get_coords_along_axis = staticmethod(_seed.get_coords_along_axis)
 
+    # ------------------------------------------------------------------ groups
+
+    def get_group_along_axis(
+        self,
+        axis: Axes,
+        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        backend: str | None = None,
+        pg_options: Any = None,
+    ) -> dist.ProcessGroup | None:
+        """This rank's group along ``axis`` (one or several axes), made on first use.
+
+        ``indices_at_axis`` keeps only those positions of the axes (e.g. ``[0, -1]``
+        for the first and last pipeline stages); ranks outside them get ``None``.
+        Every member must request the group, in the same order as its peers.
+        If a member does not arrive within the mesh's timeout, this raises
+        :class:`GroupFormationError`; once every member asks again, it forms.
+        """
+        if indices_at_axis is None and backend is None and pg_options is None:
+            try:
+                entry = self._by_axis[axis]
+            except (KeyError, TypeError):  # not cached yet, or an unhashable axes list
+                pass
+            else:
+                kind = axis.__class__
+                if (
+                    entry.alive
+                    and (kind is str or kind is int or plain_axes(axis))
+                    and (entry.group is None or entry.group in self._live)
+                ):
+                    return entry.group
+        return self._get_group(axis, indices_at_axis, backend, pg_options)
+
+    def create_group_along_axis(
+        self,
+        axis: Axes,
+        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        backend: str | None = None,
+        pg_options: Any = None,
+    ) -> dist.ProcessGroup | None:
+        """Same as :meth:`get_group_along_axis`: a group is never made twice."""
+        return self._get_group(axis, indices_at_axis, backend, pg_options)
+
+    def create_groups(self, *axes: Axis) -> None:
+        """Make this rank's group along each of ``axes`` (default: every axis), in mesh order."""
+        chosen = self._layout.axes_indices(axes) if axes else range(self._layout.ndim)
+        for axis in sorted(chosen):
+            self.get_group_along_axis(axis)
+
+    def get_ranks_in_group(self, group: dist.ProcessGroup) -> list[int]:
+        """The global ranks of ``group``, in group-rank order."""
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a ProcessGroup, got {group!r}")
+        return dist.get_process_group_ranks(group)
+
+    def _get_group(
+        self, axis: Axes, indices: object, backend: str | None, pg_options: Any
+    ) -> dist.ProcessGroup | None:
+        with self._table.lock:
+            return self._get_group_locked(axis, indices, backend, pg_options)
+
+    def _get_group_locked(
+        self, axis: Axes, indices: object, backend: str | None, pg_options: Any
+    ) -> dist.ProcessGroup | None:
+        self._scope.check_open(self)
+        ranks = self._layout.compact_group(self._coord, axis, indices)
+        backend_name = self._backend_name(check_backend(backend, "backend"))
+        options = self._pg_options if pg_options is None else pg_options
+        key = (ranks, backend_name)
+        if self._rank not in ranks:
+            entry = Entry(key, None, options)
+        else:
+            found = self._table.get(key)
+            if found is None:
+                what = self._describe(axis, indices)
+                entry = self._table.form(key, options, timeout=self._timeout, what=what)
+                self._scope.own(entry)
+            else:
+                entry = found
+            if not self._table.is_live(entry):
+                raise RuntimeError(
+                    f"the group along {self._describe(axis, indices)} over ranks {list(ranks)} "
+                    "was destroyed outside this mesh (by torch.distributed.destroy_process_group); "
+                    "the mesh does not make it again behind its peers' backs. Close this mesh "
+                    "and make a new one"
+                )
+            if pg_options is not None and entry.options is not options:
+                raise ValueError(
+                    f"pg_options differ from those of the existing group over ranks {list(ranks)} "
+                    f"on {backend_name!r}; a mesh keeps one group per (ranks, backend)"
+                )
+        if indices is None and backend is None and pg_options is None:
+            try:
+                self._by_axis[axis] = entry
+            except TypeError:  # unhashable axes: no fast path
+                pass
+        return entry.group
+
+    def _describe(self, axis: Axes, indices: object) -> str:
+        chosen = self._layout.axes_indices(axis)
+        names = tuple(self._layout.axis_name(a) for a in chosen)
+        what = f"axis {names[0]!r}" if len(names) == 1 else f"axes {names}"
+        return what if indices is None else f"{what} at indices {indices}"
+
+    def _backend_name(self, backend: str | None) -> str:
+        chosen = backend or self._backend or dist.get_backend()
+        return str(dist.Backend(chosen))
+
     # ------------------------------------------------------------- sub-meshes
 
     def submesh(self, *axes: Axis) -> ProcessGroupMesh:
@@ -237,11 +453,11 @@ class ProcessGroupMesh(GroupCache):
         It shares this mesh's groups, owns the groups first made through it and
         destroys those when it closes; closing this mesh closes it first.
         """
-        with self._lock:
+        with self._table.lock:
             return self._submesh(axes)
 
     def _submesh(self, axes: tuple[Axis, ...]) -> ProcessGroupMesh:
-        self._check_open()
+        self._scope.check_open(self)
         if not axes:
             raise TypeError("submesh() needs at least one axis")
         plane = self._planes.get(axes) if plain_axes(axes) else None
@@ -260,7 +476,6 @@ class ProcessGroupMesh(GroupCache):
             pg_options=self._pg_options,
             place=(self._rank, coord),
         )
-        self._children.append(child)
         return child
 
     def __getitem__(self, axes: Axis | tuple[Axis, ...]) -> ProcessGroupMesh:
@@ -272,9 +487,9 @@ class ProcessGroupMesh(GroupCache):
         """
         items = axes if isinstance(axes, tuple) else (axes,)
         key = self._layout.axes_indices(items) if items else ()
-        with self._lock:
+        with self._table.lock:
             child = self._slices.get(key)
-            if child is None or child._closed:
+            if child is None or child._scope.closed:
                 child = self._slices[key] = self.submesh(*items)
         return child
 
@@ -290,3 +505,39 @@ class ProcessGroupMesh(GroupCache):
         return build_device_mesh(
             self._layout, self._coord, device_type, axes, self.get_group_along_axis
         )
+
+
+def _require_world() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "ProcessGroupMesh needs torch.distributed: call "
+            "torch.distributed.init_process_group() first"
+        )
+
+
+def _check_eager(eager: object) -> None:
+    if not isinstance(eager, bool):
+        raise TypeError(f"eager must be a bool, got {eager!r}")
+
+
+def _check_in_world(largest: int) -> None:
+    world_size = dist.get_world_size()
+    if largest >= world_size:
+        raise ValueError(
+            f"ranks must lie in the world of {world_size} ranks (0..{world_size - 1}), "
+            f"got rank {largest}"
+        )
+
+
+def plain_axes(axis: object) -> bool:
+    """Whether ``axis`` is an int, a str or a tuple of them: safe as a cache key.
+
+    ``1.0 == 1`` and ``(0, True) == (0, 1)``: such keys must not reach the cache.
+
+    >>> plain_axes(("dp", 1)), plain_axes((0, True)), plain_axes(1.0)
+    (True, False, False)
+    """
+    cls = axis.__class__
+    if cls is int or cls is str:
+        return True
+    return cls is tuple and all(a.__class__ is int or a.__class__ is str for a in axis)  # type: ignore[attr-defined]

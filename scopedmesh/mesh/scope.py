@@ -1,166 +1,138 @@
-"""A mesh's scope: the groups it owns, its sub-meshes, and closing them without communicating.
+"""The lifetime of a mesh or sub-mesh: entered once, closed once, warned about if dropped open.
 
-:class:`Scope` is the lifetime half of :class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh`:
-``with``, ``close()``, the ``closed`` flag and the ``ResourceWarning`` of a mesh
-dropped while open. It declares the state every part of the mesh shares.
+A :class:`Scope` is the per-scope half of a tree whose shared half is a
+:class:`~scopedmesh.mesh.group_table.GroupTable` (trio's ``CancelScope`` per
+scope, beside the ``CancelStatus`` the tree shares). It holds what is its own:
+the entries it formed (oldest first), its open child scopes, its parent, and
+the ``entered``/``closed`` flags. Closing it closes its children first, then
+hands its entries back to the table, newest first; nothing communicates.
+
+It knows nothing of axes: the object it serves (a ``ProcessGroupMesh``) is
+passed as ``owner`` where a message names it, and gives the dictionaries that
+cache what the scope handed out (``forget``), emptied when it closes.
+
+>>> from scopedmesh.mesh.group_table import GroupTable
+>>> root = Scope(GroupTable())
+>>> child = root.nest()
+>>> root.close()
+>>> child.closed, root.children
+(True, [])
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections.abc import Mapping
-from datetime import timedelta
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-import torch.distributed as dist
-
-from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import MeshClosedError
-from scopedmesh.layout.mesh_layout import MeshLayout
+from scopedmesh.mesh.group_table import Entry, GroupTable
 
-__all__ = ["Entry", "GroupKey", "Scope"]
-
-GroupKey = tuple[range | tuple[int, ...], str]
-_S = TypeVar("_S", bound="Scope")
-
-
-class Entry:
-    """One group made by a scope; ``alive`` turns False when its scope destroys it."""
-
-    __slots__ = ("alive", "group", "key", "options")
-
-    def __init__(self, key: GroupKey, group: dist.ProcessGroup | None, options: object) -> None:
-        self.key = key
-        self.group = group
-        self.options = options
-        self.alive = True
+__all__ = ["Scope"]
 
 
 class Scope:
-    """The lifetime of a mesh or sub-mesh: enter once, close once, warn if dropped open."""
+    """The lifetime of one mesh or sub-mesh over a shared :class:`GroupTable`."""
 
-    _layout: MeshLayout
-    _rank: int
-    _coord: tuple[int, ...]
-    _parent: Scope | None
-    _registry: dict[GroupKey, Entry]  # shared by a mesh and all its sub-meshes
-    # One re-entrant lock per root mesh, shared by its sub-meshes: group creation,
-    # close() and sub-mesh bookkeeping run one thread at a time (ProcessGroupMesh: THREADS).
-    _lock: threading.RLock
-    _backend: str | None
-    _timeout: timedelta | None
-    _pg_options: Any
-    _by_axis: dict[object, Entry]  # fast path: axis as given -> entry
-    _live: Mapping[dist.ProcessGroup, object]
-    _created: list[Entry]  # the groups this scope made, oldest first
-    _children: list[Scope]  # open sub-meshes
-    _closed: bool
-    _entered: bool
-    _slices: dict[tuple[int, ...], Any]  # sub-meshes made by mesh[...], by axes (typed by the mesh)
+    __slots__ = ("children", "closed", "entered", "forget", "made", "parent", "table")
 
-    def __enter__(self: _S) -> _S:
-        """Enter the scope (once); a closed mesh raises :class:`MeshClosedError`."""
-        self._check_open()
-        if self._entered:
-            raise RuntimeError("this mesh's scope is already entered; a mesh is entered once")
-        self._entered = True
-        return self
-
-    def __exit__(
+    def __init__(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        table: GroupTable,
+        parent: Scope | None = None,
+        forget: tuple[dict[Any, Any], ...] = (),
     ) -> None:
+        self.table = table
+        self.parent = parent
+        self.forget = forget  # the owner's caches of what it handed out through this scope
+        self.made: list[Entry] = []  # the entries this scope formed, oldest first
+        self.children: list[Scope] = []  # open child scopes, oldest first
+        self.closed = False
+        self.entered = False
+
+    def nest(self, forget: tuple[dict[Any, Any], ...] = ()) -> Scope:
+        """A child scope over the same table, closed before this one (caller holds the lock)."""
+        child = Scope(self.table, self, forget)
+        self.children.append(child)
+        return child
+
+    def own(self, entry: Entry) -> None:
+        """Record an entry this scope formed: it is released when the scope closes."""
+        self.made.append(entry)
+
+    def check_open(self, owner: object) -> None:
+        """Raise :class:`MeshClosedError` naming ``owner`` once the scope has closed."""
+        if self.closed:
+            raise MeshClosedError(
+                f"{owner!r} is closed; its groups were destroyed. Make a new mesh to get groups again"
+            )
+
+    def enter(self, owner: object) -> None:
+        """Enter the scope (once); a closed scope raises :class:`MeshClosedError`."""
+        self.check_open(owner)
+        if self.entered:
+            raise RuntimeError("this mesh's scope is already entered; a mesh is entered once")
+        self.entered = True
+
+    def exit(self, owner: object, exc_type: type[BaseException] | None, exc: object) -> None:
+        """Close at the end of a ``with`` block, never replacing the exception that ended it."""
         if exc is None:
             self.close()
             return
         try:
             self.close()
-        except Exception as error:  # never replace the exception that ended the block
+        except Exception as error:
             warnings.warn(
-                f"closing {self!r} after {exc_type.__name__ if exc_type else 'an error'} "
+                f"closing {owner!r} after {exc_type.__name__ if exc_type else 'an error'} "
                 f"also failed: {error!r}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def close(self) -> None:
-        """Destroy the groups this scope made, newest first; then later calls are no-ops.
+        """Close the children, then release this scope's entries, newest first; once.
 
-        Open sub-meshes close first. Groups already destroyed (e.g. by a global
-        ``dist.destroy_process_group()``) are skipped. No communication happens.
-        If destroying a group fails, the others are still destroyed and the first
-        error is raised at the end.
+        If releasing fails, the rest are still released and the first error is
+        raised at the end.
         """
-        with self._lock:
+        with self.table.lock:
             self._close()
 
     def _close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         errors: list[Exception] = []
         try:
-            for child in reversed(list(self._children)):
+            for child in reversed(list(self.children)):  # each detaches itself
                 try:
-                    child.close()
+                    child._close()
                 except Exception as error:
                     errors.append(error)
-            for entry in reversed(self._created):
-                entry.alive = False
-                if self._registry.get(entry.key) is entry:
-                    del self._registry[entry.key]
-                if entry.group is not None:
-                    try:
-                        _c10d.destroy(entry.group)
-                    except Exception as error:  # keep going: the other groups must still go
-                        errors.append(error)
+            errors += self.table.release(reversed(self.made))
         finally:
-            self._created.clear()
-            self._by_axis.clear()
-            self._children.clear()
-            self._slices.clear()
-            if self._parent is not None and self in self._parent._children:
-                self._parent._children.remove(self)
+            self.made.clear()
+            self.children.clear()
+            for cache in self.forget:
+                cache.clear()
+            if self.parent is not None and self in self.parent.children:
+                self.parent.children.remove(self)
         if errors:
             raise errors[0]
 
-    def destroy_mesh_process_groups(self) -> None:
-        """Same as :meth:`close` (the name ColossalAI uses)."""
-        self.close()
+    def warn_if_dropped_open(self, owner: object) -> None:
+        """From ``owner.__del__``: a root scope dropped while open warns (``ResourceWarning``).
 
-    @property
-    def closed(self) -> bool:
-        """Whether this scope has closed."""
-        return self._closed
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True) or getattr(self, "_parent", None) is not None:
+        It destroys nothing: ``__del__`` runs at a different moment on every rank.
+        """
+        if self.closed or self.parent is not None:
             return
         try:
             warnings.warn(
-                f"unclosed {self!r}: its process groups were never destroyed; use "
+                f"unclosed {owner!r}: its process groups were never destroyed; use "
                 "'with ProcessGroupMesh(...)' or call close()",
                 ResourceWarning,
-                source=self,
-                stacklevel=2,
+                source=owner,
+                stacklevel=3,
             )
         except Exception:  # interpreter shutdown: nothing left to tell
             pass
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        kind = "sub-mesh" if self._parent is not None else "mesh"
-        names = f", names={self._layout.names}" if self._layout.names else ""
-        return (
-            f"<ProcessGroupMesh {kind} shape={self._layout.shape}{names} rank={self._rank} {state}>"
-        )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise MeshClosedError(
-                f"{self!r} is closed; its groups were destroyed. Make a new mesh to get groups again"
-            )
