@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from scopedmesh.layout.mesh_layout import MeshLayout
 
-__all__ = ["BUDGET", "group_coord", "members", "nth", "residues", "spans"]
+__all__ = ["BUDGET", "group_coord", "members", "nested", "nth", "residues", "spans"]
 
 BUDGET = 1 << 18  # most (shift, rank) pairs visited to count the nodes of uneven groups
 
@@ -116,3 +116,15 @@ def residues(layout: MeshLayout, axes: Sequence[int], nproc: int) -> dict[int, i
                 merged[(r + d) % nproc] = merged.get((r + d) % nproc, 0) + m * k
         counts = merged
     return counts
+
+
+def nested(ranks: Sequence[int], shape: Sequence[int]) -> object:
+    """``ranks`` (C order) as nested lists of ``shape``, for JSON.
+
+    >>> nested(range(6), (2, 3))
+    [[0, 1, 2], [3, 4, 5]]
+    """
+    if len(shape) == 1:
+        return list(ranks)
+    step = len(ranks) // shape[0]
+    return [nested(ranks[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scopedmesh.layout.mesh_layout import MeshLayout
-from scopedmesh.plan.arithmetic import group_coord, members, nth, residues, spans
+from scopedmesh.plan.arithmetic import group_coord, members, nested, nth, residues, spans
 
 __all__ = [
     "AxisPlan",
@@ -180,7 +180,7 @@ class Plan:
             "nproc_per_node": self.nproc,
             "nodes": self.nodes,
             "full": self.full,
-            "grid": _nested(layout.ranks, layout.shape) if self.full else None,
+            "grid": nested(layout.ranks, layout.shape) if self.full else None,
             "axes": axes,
             "rank": rank,
             "warnings": list(self.warnings),
@@ -322,10 +322,3 @@ def _warning(p: AxisPlan, nodes: Nodes, nproc: int) -> str:
         f"warning: {p.label} groups cross nodes ({how} at {nproc} ranks per node): "
         f"{why} would go over the network instead of NVLink"
     )
-
-
-def _nested(ranks: Sequence[int], shape: Sequence[int]) -> object:
-    if len(shape) == 1:
-        return list(ranks)
-    step = len(ranks) // shape[0]
-    return [_nested(ranks[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]

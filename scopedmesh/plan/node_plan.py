@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from scopedmesh.layout.mesh_layout import MeshLayout
 from scopedmesh.layout.placement import node_aware_ranks
+from scopedmesh.plan.arithmetic import nested
 
 __all__ = ["MAX_WORLD", "NodeAxis", "NodePlan", "make_node_plan"]
 
@@ -57,7 +58,7 @@ class NodePlan:
         return {
             "intra_node": [labels[a] for a in self.intra],
             "ranks": list(self.layout.ranks),
-            "grid": _nested(self.layout.ranks, self.layout.shape),
+            "grid": nested(self.layout.ranks, self.layout.shape),
             "axes": [
                 {
                     "axes": [labels[i] for i in a.axes],
@@ -96,13 +97,6 @@ class NodePlan:
                 line = f"{line}  {group}" if line else group
             lines.append(f"{'':<{width}}  {line}")
         return lines
-
-
-def _nested(ranks: Sequence[int], shape: Sequence[int]) -> object:
-    if len(shape) == 1:
-        return list(ranks)
-    step = len(ranks) // shape[0]
-    return [_nested(ranks[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 def make_node_plan(layout: MeshLayout, spec: str, nproc: int | None) -> NodePlan:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from xml.sax.saxutils import escape, quoteattr
 
 from scopedmesh.layout.mesh_layout import MeshLayout
-from scopedmesh.plan.facts import Plan, members, nth
+from scopedmesh.plan.facts import Plan
+from scopedmesh.plan.text import ELLIPSIS, group_text, positions
 
 __all__ = ["NODE_COLOURS", "render_svg"]
 
@@ -42,7 +43,6 @@ NODE_COLOURS = (
 )
 PLAIN = "#e8eef7"  # cells without --nproc-per-node
 AXIS_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b")
-ELLIPSIS = "…"
 FONT = "font-family:DejaVu Sans Mono,Menlo,Consolas,monospace"
 CHAR = 7.6  # width of a character at 12 px
 ROW_H = 30
@@ -50,7 +50,6 @@ HEAD_H = 18
 MAX_WIDTH = 1160  # panels wrap to the next line past this width
 GAP = 22
 MARGIN = 20
-MEMBERS = 16  # a legend line elides the middle of a larger group
 
 
 @dataclass(frozen=True)
@@ -58,12 +57,6 @@ class _Panel:
     lead: tuple[int, ...] | None  # None: the "… more grids …" placeholder
     width: float
     height: float
-
-
-def _positions(n: int, full: bool, keep: int, head: int, tail: int) -> list[int | None]:
-    if full or n <= keep:
-        return list(range(n))
-    return [*range(head), None, *range(n - tail, n)]
 
 
 def _text(
@@ -76,26 +69,16 @@ def _text(
     )
 
 
-def _group_text(plan: Plan, axes: Sequence[int], coord: Sequence[int]) -> str:
-    layout = plan.layout
-    size = math.prod(layout.shape[a] for a in axes)
-    if size <= MEMBERS:
-        return "[" + ", ".join(map(str, members(layout, coord, axes))) + "]"
-    head = [str(nth(layout, coord, axes, j)) for j in range(3)]
-    tail = [str(nth(layout, coord, axes, j)) for j in range(size - 2, size)]
-    return "[" + ", ".join([*head, ELLIPSIS, *tail]) + "]"
-
-
 def render_svg(plan: Plan) -> str:
     """The SVG document for ``plan`` (see the module docstring)."""
     layout, labels, ndim = plan.layout, plan.labels, plan.layout.ndim
     lead_shape = layout.shape[:-2]
-    cols = _positions(layout.shape[-1], plan.full, 16, 3, 2)
+    cols = positions(layout.shape[-1], plan.full, 16, 3, 2)
     rows: list[int | None] = (
-        [None] if ndim == 1 else _positions(layout.shape[-2], plan.full, 8, 3, 1)
+        [None] if ndim == 1 else positions(layout.shape[-2], plan.full, 8, 3, 1)
     )
     count = math.prod(lead_shape)
-    shown = _positions(count, plan.full, 4, 2, 1)
+    shown = positions(count, plan.full, 4, 2, 1)
     digits = max(len(str(layout.size - 1)), len(str(layout.shape[-1] - 1)))
     cw = max(30.0, CHAR * digits + 14)
     corner = labels[-1] if ndim == 1 else f"{labels[-2]} \\ {labels[-1]}"
@@ -302,7 +285,7 @@ def _legend(plan: Plan, y: float) -> tuple[list[str], float, float]:
         y += 22
         for g, group in enumerate(rp.groups):
             colour = AXIS_COLOURS[g % len(AXIS_COLOURS)]
-            text = f"{group.axis.label} group {_group_text(plan, group.axis.axes, rp.coordinate)}"
+            text = f"{group.axis.label} group {group_text(plan.layout, group.axis.axes, rp.coordinate, full=False)}"
             text += f", position {group.position} of {group.axis.size}"
             if group.nodes is not None:
                 text += (
