@@ -698,8 +698,24 @@ def global_destroy(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+def descriptions(rank: int, world_size: int) -> dict[str, Any]:
+    """What torch's tools read back as each group's description (``group_desc``)."""
+    out: dict[str, Any] = {}
+    with mesh3() as mesh:
+        out["tp"] = mesh.get_group_along_axis("tp").group_desc  # type: ignore[union-attr]
+        out["dp+tp"] = mesh.get_group_along_axis(("tp", "dp")).group_desc  # type: ignore[union-attr]
+        ends = mesh.get_group_along_axis("pp", indices_at_axis=[0, -1])
+        out["pp ends"] = ends.group_desc if ends is not None else None
+    with ProcessGroupMesh(4, 2, timeout=TIMEOUT) as unnamed:
+        out["unnamed"] = unnamed.get_group_along_axis(1).group_desc  # type: ignore[union-attr]
+    with ProcessGroupMesh(8, names=("x" * 5000,), timeout=TIMEOUT) as long_name:
+        out["long"] = long_name.get_group_along_axis(0).group_desc  # type: ignore[union-attr]
+    return out
+
+
 MESH_CHECKS: list[Check] = [
     membership_3d,
+    descriptions,
     world_untouched,
     indices_subsets,
     custom_ranks,

@@ -127,6 +127,17 @@ def test_indices_at_axis_subsets(world: list[dict[str, Any]]) -> None:
         assert f["calls"] == (rank in hand_ends), rank  # non-members make no group
 
 
+def test_groups_carry_their_axes_as_torchs_description(world: list[dict[str, Any]]) -> None:
+    # Flight-recorder dumps and backend logs read group_desc: "scopedmesh:<axes>".
+    for f in facts(world, "descriptions"):
+        assert f["tp"] == "scopedmesh:tp"
+        assert f["dp+tp"] == "scopedmesh:dp,tp"  # mesh order, whatever order was asked
+        assert f["unnamed"] == "scopedmesh:axis1"
+        assert f["long"] == "scopedmesh:" + "x" * 188 + "…"  # bounded: 200 characters
+    ends = [f["pp ends"] for f in facts(world, "descriptions")]
+    assert ends == ["scopedmesh:pp[0,-1]"] * WORLD  # pp has 2 stages: every rank is an end
+
+
 def test_custom_ranks_permutation(world: list[dict[str, Any]]) -> None:
     # ranks=[3, 1, 7, 5, 0, 2, 6, 4] laid out 2 x 4 (a, b) in C order:
     #   a=0: 3 1 7 5

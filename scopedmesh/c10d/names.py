@@ -11,7 +11,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from scopedmesh.layout.ints import as_range
 
-__all__ = ["RankMap", "canonical_ranks", "group_name"]
+__all__ = ["DESCRIPTION_LIMIT", "RankMap", "canonical_ranks", "group_description", "group_name"]
+
+DESCRIPTION_LIMIT = 200  # characters of a group description torch keeps and logs
 
 
 class RankMap(Mapping[int, int]):
@@ -73,3 +75,26 @@ def group_name(ranks: Sequence[int], backend: str, generation: int) -> str:
     text = f"{backend}|{members}"
     digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:20]
     return f"scopedmesh-{digest}-{generation}"
+
+
+def group_description(axes: Sequence[str], indices: object = None) -> str:
+    """The description torch's tools show for a mesh's group (flight recorder, logs): its axes.
+
+    ``indices`` are the positions chosen along the axes, as given to
+    ``get_group_along_axis`` (one sequence, or one per axis). Axis names can be
+    any length, so the text is cut at ``DESCRIPTION_LIMIT`` characters.
+
+    >>> group_description(("dp", "tp")), group_description(("pp",), [0, -1])
+    ('scopedmesh:dp,tp', 'scopedmesh:pp[0,-1]')
+    >>> len(group_description(("x" * 10_000,))) == DESCRIPTION_LIMIT
+    True
+    """
+    if indices is None:
+        text = ",".join(axes)
+    else:
+        per_axis = [indices] if len(axes) == 1 else list(indices)  # type: ignore[call-overload]
+        text = ",".join(
+            f"{axis}[{','.join(str(i) for i in chosen)}]" for axis, chosen in zip(axes, per_axis)
+        )
+    text = f"scopedmesh:{text}"
+    return text if len(text) <= DESCRIPTION_LIMIT else text[: DESCRIPTION_LIMIT - 1] + "…"

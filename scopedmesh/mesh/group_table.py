@@ -72,10 +72,19 @@ class GroupTable:
         """Whether ``entry``'s group is still registered with torch (a non-member's is)."""
         return entry.group is None or entry.group in self.live
 
-    def form(self, key: GroupKey, options: Any, *, timeout: timedelta | None, what: str) -> Entry:
+    def form(
+        self,
+        key: GroupKey,
+        options: Any,
+        *,
+        timeout: timedelta | None,
+        what: str,
+        description: str,
+    ) -> Entry:
         """Make the group of ``key`` (this rank is a member) and register it.
 
-        ``what`` names it in torch's tools and in the error (``"axis 'tp'"``).
+        ``what`` names it in the error (``"axis 'tp'"``), ``description`` in
+        torch's tools (``"scopedmesh:tp"``).
         A group that cannot be made raises :class:`GroupFormationError`; nothing
         is registered then. The caller holds :attr:`lock`.
         """
@@ -86,7 +95,7 @@ class GroupTable:
                 backend=backend,
                 timeout=timeout,
                 pg_options=options,
-                description=f"scopedmesh:{what}",
+                description=description,
             )
         except RuntimeError as error:
             raise formation_error(backend, what, ranks, timeout, error) from error

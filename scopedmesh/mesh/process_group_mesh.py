@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_backend, check_timeout
+from scopedmesh.c10d.names import group_description
 from scopedmesh.layout import Axes, Axis, MeshLayout
 from scopedmesh.layout import colossal as _seed
 from scopedmesh.mesh.group_table import Entry, GroupTable
@@ -411,8 +412,13 @@ class ProcessGroupMesh:
         else:
             found = self._table.get(key)
             if found is None:
-                what = self._describe(axis, indices)
-                entry = self._table.form(key, options, timeout=self._timeout, what=what)
+                entry = self._table.form(
+                    key,
+                    options,
+                    timeout=self._timeout,
+                    what=self._describe(axis, indices),
+                    description=self._description(axis, indices),
+                )
                 self._scope.own(entry)
             else:
                 entry = found
@@ -440,6 +446,14 @@ class ProcessGroupMesh:
         names = tuple(self._layout.axis_name(a) for a in chosen)
         what = f"axis {names[0]!r}" if len(names) == 1 else f"axes {names}"
         return what if indices is None else f"{what} at indices {indices}"
+
+    def _description(self, axis: Axes, indices: object) -> str:
+        layout = self._layout
+        chosen = layout.axes_indices(axis)
+        if indices is None:  # the same group whatever order the axes were asked in
+            chosen = tuple(sorted(chosen))
+        names = [layout.axis_name(a) if layout.names else f"axis{a}" for a in chosen]
+        return group_description(names, indices)
 
     def _backend_name(self, backend: str | None) -> str:
         chosen = backend or self._backend or dist.get_backend()
