@@ -145,7 +145,39 @@ def fake_store() -> dict[str, Any]:
     return out
 
 
+def views() -> dict[str, Any]:
+    """Dense (dp=128, pp=16, tp=32) and expert (edp=16, ep=8, pp=16, tp=32) over 2^16 ranks.
+
+    The expert layout splits dp into (edp, ep): its pp and tp groups are the dense ones.
+    """
+    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
+    out: dict[str, Any] = {}
+    dense_axes, expert_axes = ("dp", "pp", "tp"), ("edp", "ep", "pp", "tp")
+    with record_new_groups() as calls:
+        with (
+            ProcessGroupMesh(128, 16, 32, names=dense_axes) as dense,
+            ProcessGroupMesh(16, 8, 16, 32, names=expert_axes) as expert,
+        ):
+            for axis in dense_axes:
+                dense.get_group_along_axis(axis)
+            for axis in expert_axes:
+                expert.get_group_along_axis(axis)
+            out["two_meshes"] = len(calls)
+        calls.clear()
+        with ProcessGroupMesh(128, 16, 32, names=dense_axes) as dense:
+            with dense.view(16, 8, 16, 32, names=expert_axes) as expert:
+                groups = {a: dense.get_group_along_axis(a) for a in dense_axes}
+                shared = [expert.get_group_along_axis(a) is groups.get(a) for a in expert_axes]
+                out["shared"] = dict(zip(expert_axes, shared))
+                out["expert_ep"] = _ranks(expert.get_group_along_axis("ep"))
+                out["with_view"] = len(calls)
+        out["live_after"] = _c10d.live_group_count()
+    dist.destroy_process_group()
+    return out
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "views": views,
     "membership_and_counts": membership_and_counts,
     "fake_store": fake_store,
 }

@@ -27,6 +27,7 @@ from torch.distributed import distributed_c10d as c10d
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import MeshClosedError
 from scopedmesh.layout import MeshLayout
+from scopedmesh.layout.placement import node_aware_ranks
 from scopedmesh.mesh import ProcessGroupMesh
 
 Check = Callable[[int, int], dict[str, Any]]
@@ -283,6 +284,7 @@ def custom_ranks(rank: int, world_size: int) -> dict[str, Any]:
         out["perm_a"] = members(mesh.get_group_along_axis("a"), world_size)
         out["perm_b"] = members(mesh.get_group_along_axis("b"), world_size)
         out["perm_local_rank_b"] = mesh.local_rank("b")
+        out["perm_b_order"] = dist.get_process_group_ranks(mesh.get_group_along_axis("b"))  # type: ignore[arg-type]
     odd = [1, 3, 5, 7]
     if rank in odd:
         with ProcessGroupMesh(2, 2, names=("x", "y"), ranks=odd, timeout=TIMEOUT) as mesh:
@@ -381,7 +383,7 @@ def submeshes(rank: int, world_size: int) -> dict[str, Any]:
         out["tp_alive"] = _c10d.is_live(tp)  # type: ignore[arg-type]
         out["tp_still_works"] = members(tp, world_size)
         out["live_after_stage"] = _c10d.live_group_count() - live0
-        pp = mesh.get_group_along_axis("pp")  # made again, now by the parent
+        pp = mesh.get_group_along_axis("pp")  # the parent held it: still the same group
         out["pp_new_object"] = pp is not stage_pp
         out["pp_again"] = members(pp, world_size)
         out["calls_total"] = len(calls)
@@ -713,9 +715,78 @@ def descriptions(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def views(rank: int, world_size: int) -> dict[str, Any]:
+    """A dense (dp=4, tp=2) mesh and an expert view (edp=2, ep=2, tp=2) over the same 8 ranks.
+
+    Dense: rank = 2 * dp + tp. Expert: rank = 4 * edp + 2 * ep + tp.
+    """
+    out: dict[str, Any] = {}
+    live0 = _c10d.live_group_count()
+    with record_new_groups() as calls:
+        dense = ProcessGroupMesh(4, 2, names=("dp", "tp"), timeout=TIMEOUT).__enter__()
+        expert = dense.view(2, 2, 2, names=("edp", "ep", "tp")).__enter__()
+        out["expert_layout"] = (expert.shape, expert.names, expert.layout.ranks)
+        out["expert_coordinate"] = expert.coordinate()
+        dense_groups = {axis: dense.get_group_along_axis(axis) for axis in ("dp", "tp")}
+        expert_groups = {axis: expert.get_group_along_axis(axis) for axis in ("edp", "ep", "tp")}
+        out["made"] = len(calls)  # dp, tp, edp, ep: tp is shared
+        out["tp_shared"] = expert_groups["tp"] is dense_groups["tp"]
+        out["sums"] = {
+            **{f"dense {a}": total(g) for a, g in dense_groups.items() if g is not None},
+            **{f"expert {a}": total(g) for a, g in expert_groups.items() if g is not None},
+        }
+        dense.__exit__(None, None, None)  # the dense side first: the shared tp must stay
+        out["dense_closed"] = dense.closed
+        out["tp_alive_after_dense"] = _c10d.is_live(expert_groups["tp"])  # type: ignore[arg-type]
+        out["dp_destroyed"] = not _c10d.is_live(dense_groups["dp"])  # type: ignore[arg-type]
+        out["tp_works_after_dense"] = members(expert_groups["tp"], world_size)
+        out["live_after_dense"] = _c10d.live_group_count() - live0  # edp, ep, tp
+        out["expert_tp_again"] = expert.get_group_along_axis("tp") is expert_groups["tp"]
+        with expert.view(8, names=("world",)) as flat:  # a view of a view: the same table
+            out["flat_members"] = members(flat.get_group_along_axis("world"), world_size)
+        expert.__exit__(None, None, None)
+        out["made_total"] = len(calls)
+    out["live_after_both"] = _c10d.live_group_count() - live0
+    return out
+
+
+# Two rank orders DTensor gets handed: a permutation, and the node-aware table of a
+# round-robin launch (rank r on node r % 2) that keeps tp inside a node.
+ORDERS = {
+    "permuted": ((2, 4), (3, 1, 7, 5, 0, 2, 6, 4)),
+    "round_robin": ((4, 2), node_aware_ranks((4, 2), [r % 2 for r in range(8)], 1)),
+}
+DTENSOR_FULL = torch.arange(8 * 4, dtype=torch.float64).reshape(8, 4)
+DTENSOR_WEIGHT = torch.arange(4 * 8, dtype=torch.float64).reshape(4, 8) / 10
+
+
+def dtensor_any_order(rank: int, world_size: int) -> dict[str, Any]:
+    """DTensor over meshes whose ranks do not ascend: shards follow coordinates."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out: dict[str, Any] = {}
+    for label, (shape, table) in ORDERS.items():
+        layout = MeshLayout(shape, names=("dp", "tp"), ranks=table)
+        with ProcessGroupMesh.from_layout(layout, timeout=TIMEOUT) as mesh:
+            dm = mesh.to_device_mesh("cpu")
+            d = distribute_tensor(DTENSOR_FULL, dm, [Shard(0), Shard(1)])
+            x = distribute_tensor(DTENSOR_FULL, dm, [Replicate(), Replicate()])
+            w = distribute_tensor(DTENSOR_WEIGHT, dm, [Shard(1), Shard(1)])  # columns over both
+            out[label] = {
+                "coordinate": mesh.coordinate(),
+                "local_rank_dp": mesh.local_rank("dp"),
+                "local": d.to_local().tolist(),
+                "full": d.full_tensor().tolist(),
+                "matmul": torch.mm(x, w).full_tensor().tolist(),
+            }
+    return out
+
+
 MESH_CHECKS: list[Check] = [
     membership_3d,
+    dtensor_any_order,
     descriptions,
+    views,
     world_untouched,
     indices_subsets,
     custom_ranks,

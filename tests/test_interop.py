@@ -104,13 +104,25 @@ def test_layout_of_a_torch_made_device_mesh() -> None:
         assert layout_of(dm["tp"]) == MeshLayout((4,), names=("tp",))
 
 
-def test_descending_ranks_along_an_axis_are_refused() -> None:
-    # Rank 0 sits at tp=1 but is rank 0 of the tp group: DTensor would misplace its shard.
+def test_descending_ranks_along_an_axis_keep_their_order() -> None:
+    # Rank 0 sits at tp=1: its tp group lists rank 1 first, so DTensor's shard 1 lands on it.
+    with fake_world(0, 4), ProcessGroupMesh(2, 2, ranks=[1, 0, 3, 2], names=("dp", "tp")) as mesh:
+        dm = mesh.to_device_mesh("cpu")
+        assert dm.mesh.tolist() == [[1, 0], [3, 2]]
+        assert tuple(dm.get_coordinate() or ()) == (0, 1)
+        assert dist.get_process_group_ranks(dm.get_group("tp")) == [1, 0]
+        assert mesh.local_rank("tp") == 1
+
+
+def test_descending_ranks_are_refused_where_groups_sort_their_members(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A torch whose groups can only list members ascending (the public fallback).
+    monkeypatch.setattr(_c10d, "keeps_member_order", lambda: False)
     with fake_world(0, 4), ProcessGroupMesh(2, 2, ranks=[1, 0, 3, 2], names=("dp", "tp")) as mesh:
         with pytest.raises(ValueError, match=r"axis 'tp' lists ranks out of ascending order"):
             mesh.to_device_mesh("cpu")
-        dm = mesh.to_device_mesh("cpu", axes=("dp",))  # dp ascends: (0, 2) through rank 0
-        assert dm.mesh.tolist() == [0, 2]
+        assert mesh.local_rank("tp") == 0  # members ascend: rank 0 is group rank 0
 
 
 def test_bad_arguments_and_closed_mesh() -> None:

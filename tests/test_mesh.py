@@ -138,6 +138,59 @@ def test_groups_carry_their_axes_as_torchs_description(world: list[dict[str, Any
     assert ends == ["scopedmesh:pp[0,-1]"] * WORLD  # pp has 2 stages: every rank is an end
 
 
+# Dense (dp=4, tp=2): rank = 2 * dp + tp. Expert view (edp=2, ep=2, tp=2): rank = 4 * edp + 2 * ep + tp.
+HAND_DENSE = {"dp": [[0, 2, 4, 6], [1, 3, 5, 7]], "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+HAND_EXPERT = {
+    "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+}
+
+
+def test_views_share_communicators_and_outlive_each_other(world: list[dict[str, Any]]) -> None:
+    for rank, f in enumerate(facts(world, "views")):
+        assert f["expert_layout"] == ((2, 2, 2), ("edp", "ep", "tp"), tuple(range(8)))
+        assert f["expert_coordinate"] == (rank // 4, (rank // 2) % 2, rank % 2)
+        # Two meshes would make 5 groups per rank (dp, tp, edp, ep, tp); the view shares tp.
+        assert f["made"] == 4
+        assert f["tp_shared"] is True
+        for axis, table in HAND_DENSE.items():
+            assert f["sums"][f"dense {axis}"] == sum(hand_group(table, rank)), axis
+        for axis, table in HAND_EXPERT.items():
+            assert f["sums"][f"expert {axis}"] == sum(hand_group(table, rank)), axis
+        assert f["dense_closed"] is True
+        assert f["dp_destroyed"] is True  # only the dense mesh used it
+        assert f["tp_alive_after_dense"] is True  # the open expert view still uses it
+        assert f["tp_works_after_dense"] == hand_group(HAND_EXPERT["tp"], rank)
+        assert f["live_after_dense"] == 3
+        assert f["expert_tp_again"] is True
+        assert f["flat_members"] == list(range(8))
+        assert f["made_total"] == 5  # the flat view's one group
+        assert f["live_after_both"] == 0
+
+
+def test_dtensor_places_shard_k_at_coordinate_k_whatever_the_rank_order(
+    world: list[dict[str, Any]],
+) -> None:
+    # permuted (2, 4): a=0: 3 1 7 5 | a=1: 0 2 6 4. Round-robin nodes, tp inside a node,
+    # (4, 2): rows 0 2 | 4 6 | 1 3 | 5 7 (ranks 0, 2, 4, 6 on node 0): dp lists 0, 4, 1, 5.
+    tables = {"permuted": [3, 1, 7, 5, 0, 2, 6, 4], "round_robin": [0, 2, 4, 6, 1, 3, 5, 7]}
+    shapes = {"permuted": (2, 4), "round_robin": (4, 2)}
+    full = workers.DTENSOR_FULL
+    product = (workers.DTENSOR_FULL @ workers.DTENSOR_WEIGHT).tolist()  # one process
+    for rank, f in enumerate(facts(world, "dtensor_any_order")):
+        for label, table in tables.items():
+            rows, cols = shapes[label]
+            dp, tp = divmod(table.index(rank), cols)
+            got = f[label]
+            assert got["coordinate"] == (dp, tp), label
+            assert got["local_rank_dp"] == dp, label
+            r, c = 8 // rows, 4 // cols
+            assert got["local"] == full[dp * r : (dp + 1) * r, tp * c : (tp + 1) * c].tolist()
+            assert got["full"] == full.tolist(), label
+            assert got["matmul"] == product, label
+
+
 def test_custom_ranks_permutation(world: list[dict[str, Any]]) -> None:
     # ranks=[3, 1, 7, 5, 0, 2, 6, 4] laid out 2 x 4 (a, b) in C order:
     #   a=0: 3 1 7 5
@@ -149,7 +202,9 @@ def test_custom_ranks_permutation(world: list[dict[str, Any]]) -> None:
         assert f["perm_coordinate"] == coord[rank]
         assert f["perm_a"] == hand_group(hand_a, rank)
         assert f["perm_b"] == hand_group(hand_b, rank)
-        assert f["perm_local_rank_b"] == hand_group(hand_b, rank).index(rank)
+        # Group rank k is the rank at position k: the members keep mesh order.
+        assert f["perm_local_rank_b"] == coord[rank][1]
+        assert f["perm_b_order"] == [[3, 1, 7, 5], [0, 2, 6, 4]][coord[rank][0]]
 
 
 def test_from_layout_forms_the_groups_of_that_layout(world: list[dict[str, Any]]) -> None:
@@ -261,11 +316,13 @@ def test_submesh_shares_groups_and_owns_what_it_makes(world: list[dict[str, Any]
         assert f["stage_pp"] == hand_group(HAND_3D["pp"], rank)
         assert f["calls_after_stage_pp"] == 2
         assert f["parent_sees_stage_pp"] is True  # one group per key, whoever made it
-        assert f["stage_pp_destroyed"] is True  # the sub-mesh made it: gone with the sub-mesh
+        # The sub-mesh made it, but the open parent asked for it too: a group lives as
+        # long as the last scope that uses it, so it outlives the sub-mesh.
+        assert f["stage_pp_destroyed"] is False
         assert f["tp_alive"] is True  # the parent's group is untouched
         assert f["tp_still_works"] == hand_group(HAND_3D["tp"], rank)
-        assert f["live_after_stage"] == 1
-        assert f["pp_new_object"] is True  # asked again: a new incarnation, made by the parent
+        assert f["live_after_stage"] == 2
+        assert f["pp_new_object"] is False  # asked again: the same group, not a new one
         assert f["pp_again"] == hand_group(HAND_3D["pp"], rank)
         assert f["indexed_shares_tp"] is True
         assert f["indexed_shares_pp"] is True
@@ -282,7 +339,7 @@ def test_nested_submesh(world: list[dict[str, Any]]) -> None:
         assert f["inner_end_destroyed"] is True
         assert f["stage_pp_alive_after_inner"] is True
         assert f["live_after_inner"] == 2
-        assert f["calls_total"] == 3 + pp_is_1
+        assert f["calls_total"] == 2 + pp_is_1  # tp, pp and the inner end: none made twice
 
 
 def test_close_order_newest_first_children_first(world: list[dict[str, Any]]) -> None:
@@ -575,11 +632,11 @@ def test_from_layout_is_the_constructor_over_that_layout() -> None:
 
 @pytest.mark.usefixtures("fake_world")
 def test_from_layout_keeps_a_permuted_table_and_a_slice() -> None:
-    # ranks [7, 5, 3, 1] laid out 2 x 2: rank 5 sits at (0, 1); torch lists members ascending.
+    # ranks [7, 5, 3, 1] laid out 2 x 2: rank 5 sits at (0, 1); members keep mesh order.
     with ProcessGroupMesh.from_layout(MeshLayout((2, 2), ranks=[7, 5, 3, 1])) as mesh:
         assert mesh.coordinate() == (0, 1)
-        assert _ranks_of(mesh.get_group_along_axis(0)) == [1, 5]
-        assert _ranks_of(mesh.get_group_along_axis(1)) == [5, 7]
+        assert _ranks_of(mesh.get_group_along_axis(0)) == [5, 1]
+        assert _ranks_of(mesh.get_group_along_axis(1)) == [7, 5]
     # Columns 1 and 2 of a 4 x 4 grid: rows 1 2 | 5 6 | 9 10 | 13 14; rank 5 at (1, 0).
     sliced = MeshLayout((4, 4), names=("r", "c"))[:, 1:3]
     with ProcessGroupMesh.from_layout(sliced) as mesh:

@@ -58,8 +58,9 @@ HAND_DP_TP = sorted(RANK - 8192 * DP - TP + 8192 * d + t for d in range(8) for t
 HAND_PP_ENDS = [RANK - 512 * PP, RANK - 512 * PP + 512 * 15]
 # ranks=range(W - 1, -1, -1) laid out 256 x 256: position p holds rank W - 1 - p.
 POSITION = WORLD - 1 - RANK
-HAND_REVERSED_B = sorted(WORLD - 1 - (POSITION // 256 * 256 + j) for j in range(256))
-HAND_REVERSED_A = sorted(WORLD - 1 - (i * 256 + POSITION % 256) for i in range(256))
+# Members in mesh order (group rank k at position k): descending global ranks here.
+HAND_REVERSED_B = [WORLD - 1 - (POSITION // 256 * 256 + j) for j in range(256)]
+HAND_REVERSED_A = [WORLD - 1 - (i * 256 + POSITION % 256) for i in range(256)]
 
 
 def test_membership_of_a_rank_in_the_middle(counts: dict[str, Any]) -> None:
@@ -150,3 +151,13 @@ def test_torch_fake_store_cannot_count_and_the_mesh_still_works() -> None:
     assert facts["third"] == facts["first"]
     assert facts["live_open"] == 3
     assert facts["live_closed"] == 1
+
+
+def test_an_expert_view_shares_the_dense_groups_at_scale() -> None:
+    # Rank 40,691 = dp 79, pp 7, tp 19 (dense: 512 * dp + 32 * pp + tp); dp 79 = edp 9, ep 7.
+    out = run_case("views")
+    assert out["two_meshes"] == 7  # dp, pp, tp + edp, ep, pp, tp: pp and tp made twice
+    assert out["with_view"] == 5  # the view reuses the dense pp and tp
+    assert out["shared"] == {"edp": False, "ep": False, "pp": True, "tp": True}
+    assert out["expert_ep"] == [9 * 4096 + ep * 512 + 7 * 32 + 19 for ep in range(8)]
+    assert out["live_after"] == 1  # WORLD

@@ -24,11 +24,16 @@ def build_device_mesh(
     device_type: str,
     axes: Sequence[Axis] | None,
     group_along: Callable[[int], ProcessGroup | None],
+    *,
+    keeps_order: bool,
 ) -> DeviceMesh:
     """A ``DeviceMesh`` over ``axes`` (default: all) through ``coord``.
 
     ``group_along(axis_index)`` gives the group of each selected axis; it is
     called only once the axes have been checked, in the order of ``axes``.
+    ``keeps_order``: the groups list their members in mesh order, so DTensor's
+    shard ``k`` lands on the rank at position ``k`` whatever the rank order;
+    otherwise members ascend, and an axis whose ranks do not is refused.
     """
     if not isinstance(device_type, str) or not device_type:
         raise TypeError(f"device_type must be a device name such as 'cpu', got {device_type!r}")
@@ -37,11 +42,12 @@ def build_device_mesh(
     ranks = torch.tensor(sub.ranks, dtype=torch.int).reshape(sub.shape)
     names = tuple(layout.axis_name(a) if layout.names else f"axis{a}" for a in chosen)
     for dim, name in enumerate(names):
-        if sub.shape[dim] > 1 and not bool((ranks.diff(dim=dim) > 0).all()):
+        if not keeps_order and sub.shape[dim] > 1 and not bool((ranks.diff(dim=dim) > 0).all()):
             raise ValueError(
                 f"axis {name!r} lists ranks out of ascending order ({ranks.tolist()}); torch "
                 "orders a group's members by global rank, so DTensor would misplace shards. "
-                "Lay the mesh over ranks that ascend along the axes you convert"
+                "Lay the mesh over ranks that ascend along the axes you convert (this torch's "
+                "groups cannot keep their members in mesh order)"
             )
     groups: list[ProcessGroup] = []
     for a in chosen:

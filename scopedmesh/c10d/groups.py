@@ -44,6 +44,7 @@ __all__ = [
     "group_name",
     "incarnation_keys",
     "is_live",
+    "keeps_member_order",
     "live_group_count",
     "live_groups",
     "new_member_group",
@@ -98,6 +99,19 @@ def private_path_supported() -> bool:
     return all(name in parameters for name in _HELPER_PARAMETERS) and any(
         name in parameters for name in _HELPER_OPTIONS
     )
+
+
+def keeps_member_order() -> bool:
+    """Whether groups form with their members in the order given (else ascending).
+
+    torch's private helper takes ``global_ranks_in_group`` as it comes, so a
+    group over ``[3, 1]`` has rank 3 as its group rank 0; public ``new_group``
+    (the fallback) sorts them.
+    """
+    if not dist.is_initialized():
+        return private_path_supported()
+    default_pg = c10d._get_default_group()
+    return private_path_supported() and not callable(getattr(default_pg, "new_group", None))
 
 
 def unusable_backend(backend: str) -> str | None:
@@ -172,12 +186,13 @@ def new_member_group(
 ) -> dist.ProcessGroup | None:
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
 
-    The caller must be a member; non-members get ``None`` whatever torch's version
+    Group rank ``k`` is ``ranks[k]`` where :func:`keeps_member_order` (else the
+    members ascend, as public ``new_group`` has them). The caller must be a member; non-members get ``None`` whatever torch's version
     returns for them (``None`` up to 2.13, ``GroupMember.NON_GROUP_MEMBER`` from 2.14).
     A backend that cannot run on this host (NCCL without a CUDA device) is a
     ``ValueError`` before any group is made.
     """
-    ranks = canonical_ranks(ranks)
+    ranks = ranks if isinstance(ranks, range) else tuple(ranks)
     rank = dist.get_rank()
     if rank not in ranks:
         return None
@@ -185,7 +200,7 @@ def new_member_group(
     if problem is not None:  # torch's own failure would read like a formation failure
         raise ValueError(f"backend {backend!r} cannot form a group on this host: {problem}")
     default_pg = c10d._get_default_group()
-    if not private_path_supported() or callable(getattr(default_pg, "new_group", None)):
+    if not keeps_member_order():
         warnings.warn(FALLBACK_WARNING, RuntimeWarning, stacklevel=3)
         group = dist.new_group(
             list(ranks),
@@ -229,7 +244,11 @@ def new_member_group(
     if made_as != backend_enum:  # torch recorded the registry's name: record what it runs on
         c10d._world.pg_map[group] = (backend_enum, prefix_store)
         c10d._world.pg_backend_config[group] = f"cpu:{backend_enum}"
-    rank_map = RankMap(ranks) if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}
+    rank_map = (
+        RankMap(ranks)
+        if isinstance(ranks, range) and ranks.step > 0
+        else {r: i for i, r in enumerate(ranks)}
+    )
     c10d._world.pg_group_ranks[group] = rank_map  # type: ignore[assignment]  # read as a Mapping
     if not _is_fake(str(backend_enum)):  # fake members never rendezvous: nobody to wait for
         try:

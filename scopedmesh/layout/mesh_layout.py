@@ -334,6 +334,31 @@ class MeshLayout:
             object.__setattr__(self, "_inverse", inverse)
         return inverse.get(rank)
 
+    def reshape(self, shape: Sequence[int], names: Sequence[str] | None = None) -> MeshLayout:
+        """The same ranks in the same (C) order, laid out as ``shape`` (one ``-1`` allowed).
+
+        A second factorization of one set of ranks, as a mixture-of-experts
+        model lays its expert axes over its dense ones. O(ndim) when this
+        layout's ranks are evenly spaced in C order, O(size) otherwise.
+
+        >>> dense = MeshLayout((2, 2, 2), names=("dp", "pp", "tp"))
+        >>> expert = dense.reshape((-1, 4), names=("edp", "ep"))
+        >>> expert.shape, expert.groups("ep")
+        ((2, 4), ((0, 1, 2, 3), (4, 5, 6, 7)))
+        """
+        dims = infer_shape(shape, self.size)
+        if math.prod(dims) != self.size:
+            raise ValueError(
+                f"shape {dims} holds {math.prod(dims)} ranks but this layout has {self.size}"
+            )
+        checked = self._check_names(names, len(dims))
+        moving = [s for n, s in zip(self._shape, self._strides) if n > 1]
+        step = moving[-1] if moving else 1
+        expected = c_strides(self._shape, step)
+        if all(n == 1 or s == e for n, s, e in zip(self._shape, self._strides, expected)):
+            return self._view(dims, checked, c_strides(dims, step), self._offset)
+        return MeshLayout(dims, checked, self.ranks)
+
     # ------------------------------------------------------------ sub-layouts
 
     def sub(self, coord: Sequence[int], axes: Axes) -> MeshLayout:
@@ -494,9 +519,32 @@ class MeshLayout:
         >>> layout.compact_group((0, 0, 0), (0, 2))
         (0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51)
         """
+        return self._members(coord, axes, indices, ascending=True)
+
+    def ordered_group(
+        self, coord: Sequence[int], axes: Axes, indices: object = None
+    ) -> range | tuple[int, ...]:
+        """The ranks of :meth:`group` in mesh order: C order of ``axes`` taken in mesh order.
+
+        The order a group's members take when rank ``k`` of the group is the one
+        at position ``k`` along the axes, as DTensor places shard ``k``. Equal to
+        :meth:`compact_group` wherever the ranks ascend along the axes (always,
+        with the default ranks); a ``range`` whenever evenly spaced and ascending.
+
+        >>> layout = MeshLayout((2, 2), ranks=[3, 1, 2, 0])
+        >>> layout.ordered_group((0, 0), 1), layout.compact_group((0, 0), 1)
+        ((3, 1), range(1, 5, 2))
+        """
+        return self._members(coord, axes, indices, ascending=False)
+
+    def _members(
+        self, coord: Sequence[int], axes: Axes, indices: object, *, ascending: bool
+    ) -> range | tuple[int, ...]:
         base = self._check_coord(coord)
         chosen, per_axis = self._indices(axes, indices)
-        if self._table is None:
+        moving = [self._strides[a] for a in chosen if self._shape[a] > 1]
+        if self._table is None and (ascending or _shrinking(moving)):
+            # With positive strides that shrink from axis to axis, C order ascends.
             start = fixed_offset(base, self._strides, self._offset, chosen)
             progression = span(start, self._strides, chosen, per_axis)
             if progression is not None:
@@ -507,7 +555,8 @@ class MeshLayout:
             for a, v in zip(chosen, values):
                 point[a] = v
             ranks.append(self._rank_at(point))
-        ranks.sort()
+        if ascending:
+            ranks.sort()
         return as_range(ranks) or tuple(ranks)
 
     def groups(self, axes: Axes, indices: object = None) -> tuple[tuple[int, ...], ...]:
@@ -541,6 +590,15 @@ class MeshLayout:
         # The default protocol restores slots through __setattr__ (which refuses),
         # and would carry a cached hash of strings into a process with another seed.
         return (_restore, (self._shape, self._names, self._strides, self._offset, self._table))
+
+
+def _shrinking(strides: Sequence[int]) -> bool:
+    """Whether ``strides`` are positive and strictly decreasing.
+
+    >>> _shrinking([8, 2, 1]), _shrinking([1, 4]), _shrinking([-1])
+    (True, False, False)
+    """
+    return all(s > 0 for s in strides) and all(a > b for a, b in itertools.pairwise(strides))
 
 
 def _restore(

@@ -1,11 +1,12 @@
 """The group table a mesh and its sub-meshes share: one group per (ranks, backend).
 
 A :class:`GroupTable` is what a tree of scopes shares (as trio's scopes share
-a ``CancelStatus``): the registry ``(ranks, backend) -> Entry``, the one lock
-its scopes take, torch's liveness map, and formation, which calls
-:mod:`scopedmesh.c10d.groups` and words the error when members do not meet. It knows no axis, no coordinate and no lifetime: a scope
-(:mod:`scopedmesh.mesh.scope`) records the entries it formed and hands them back
-to :meth:`GroupTable.release` when it closes.
+a ``CancelStatus``), and what the views of a mesh share with it: the registry
+``(ranks, backend) -> Entry``, the one lock its scopes take, torch's liveness
+map, and formation, which calls :mod:`scopedmesh.c10d.groups` and words the
+error when members do not meet. It knows no axis, no coordinate and no
+lifetime: a scope (:mod:`scopedmesh.mesh.scope`) holds the entries it uses and
+hands an entry back to :meth:`GroupTable.release` once no scope holds it.
 
 >>> table = GroupTable()
 >>> len(table), table.get((range(0, 2), "gloo")) is None
@@ -26,22 +27,24 @@ from scopedmesh.errors import GroupFormationError
 
 __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
 
-GroupKey = tuple[range | tuple[int, ...], str]  # (ascending global ranks, backend name)
+GroupKey = tuple[range | tuple[int, ...], str]  # (global ranks in group order, backend name)
 
 
 class Entry:
-    """One group of a table; ``alive`` turns False when the scope that formed it releases it.
+    """One group of a table; ``alive`` turns False when its last holder releases it.
 
+    ``holds`` counts the open scopes that hold it (see :class:`~scopedmesh.mesh.scope.Scope`).
     A non-member's answer is an ``Entry`` too (``group`` None), never registered.
     """
 
-    __slots__ = ("alive", "group", "key", "options")
+    __slots__ = ("alive", "group", "holds", "key", "options")
 
     def __init__(self, key: GroupKey, group: dist.ProcessGroup | None, options: object) -> None:
         self.key = key
         self.group = group
         self.options = options
         self.alive = True
+        self.holds = 0
 
 
 class GroupTable:
@@ -50,15 +53,17 @@ class GroupTable:
     ``lock`` is re-entrant: group formation, closing and sub-mesh bookkeeping of
     every scope over this table run one thread at a time. ``live`` is torch's
     map of live groups (read-only), kept here so that a cached lookup tests
-    liveness with one ``in``.
+    liveness with one ``in``. ``ordered`` says whether groups form with their
+    members in mesh order (group rank ``k`` at position ``k``) or ascending.
     """
 
-    __slots__ = ("_entries", "live", "lock")
+    __slots__ = ("_entries", "live", "lock", "ordered")
 
     def __init__(self) -> None:
         self._entries: dict[GroupKey, Entry] = {}
         self.lock = threading.RLock()
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
+        self.ordered = _c10d.keeps_member_order()
 
     def __len__(self) -> int:
         """The number of groups registered (formed and not yet released)."""

@@ -192,8 +192,10 @@ class ProcessGroupMesh:
         timeout: timedelta | None,
         pg_options: Any,
         place: tuple[int, tuple[int, ...]] | None = None,
+        table: GroupTable | None = None,
     ) -> None:
-        """Set up a mesh or sub-mesh; ``place`` is this rank and its coordinate, when known."""
+        """Set up a mesh, a sub-mesh (``parent``) or a view (``table``: the group table it
+        shares); ``place`` is this rank and its coordinate, when known."""
         if place is None:
             rank = dist.get_rank()
             if rank not in layout:
@@ -213,7 +215,10 @@ class ProcessGroupMesh:
         self._planes = {}
         caches = (self._by_axis, self._slices)
         # Set last: __del__ reads _scope, and a mesh whose set-up failed was never open.
-        scope = Scope(GroupTable(), forget=caches) if parent is None else parent._scope.nest(caches)
+        if parent is not None:
+            scope = parent._scope.nest(caches)
+        else:
+            scope = Scope(table if table is not None else GroupTable(), forget=caches)
         self._table = scope.table
         self._live = scope.table.live
         self._scope = scope
@@ -323,8 +328,13 @@ class ProcessGroupMesh:
         return self._coord[self._layout.axis_index(dim, argument="dim")]
 
     def local_rank(self, axis: Axes) -> int:
-        """This rank's rank in its group along ``axis`` (members ascend by global rank)."""
-        return self._layout.group(self._coord, axis).index(self._rank)
+        """This rank's rank in its group along ``axis``: its position along the axes.
+
+        (On a torch where groups cannot keep their members' order, members
+        ascend by global rank instead; the two agree whenever ranks ascend
+        along the axes, as they always do with the default ranks.)
+        """
+        return self._members(axis, None).index(self._rank)
 
     def is_first(self, axis: Axes) -> bool:
         """Whether this rank is rank 0 of its group along ``axis``."""
@@ -332,7 +342,13 @@ class ProcessGroupMesh:
 
     def is_last(self, axis: Axes) -> bool:
         """Whether this rank is the last rank of its group along ``axis``."""
-        return self._layout.group(self._coord, axis)[-1] == self._rank
+        return self._members(axis, None)[-1] == self._rank
+
+    def _members(self, axis: Axes, indices: object) -> range | tuple[int, ...]:
+        """The ranks of this rank's group along ``axis``, in group-rank order."""
+        if self._table.ordered:
+            return self._layout.ordered_group(self._coord, axis, indices)
+        return self._layout.compact_group(self._coord, axis, indices)
 
     # ColossalAI's static helpers, kept under their names (see scopedmesh.layout.colossal).
     ravel = staticmethod(_seed.ravel)
@@ -403,7 +419,7 @@ class ProcessGroupMesh:
         self, axis: Axes, indices: object, backend: str | None, pg_options: Any
     ) -> dist.ProcessGroup | None:
         self._scope.check_open(self)
-        ranks = self._layout.compact_group(self._coord, axis, indices)
+        ranks = self._members(axis, indices)
         backend_name = self._backend_name(check_backend(backend, "backend"))
         options = self._pg_options if pg_options is None else pg_options
         key = (ranks, backend_name)
@@ -419,9 +435,9 @@ class ProcessGroupMesh:
                     what=self._describe(axis, indices),
                     description=self._description(axis, indices),
                 )
-                self._scope.own(entry)
             else:
                 entry = found
+            self._scope.hold(entry)
             if not self._table.is_live(entry):
                 raise RuntimeError(
                     f"the group along {self._describe(axis, indices)} over ranks {list(ranks)} "
@@ -492,6 +508,42 @@ class ProcessGroupMesh:
         )
         return child
 
+    def view(
+        self, *shape: int | Sequence[int], names: Sequence[str] | None = None
+    ) -> ProcessGroupMesh:
+        """Another factorization of this mesh's ranks, sharing its communicators.
+
+        The view lays the same ranks, in the same C order, out as ``shape`` (one
+        ``-1`` allowed; see :meth:`MeshLayout.reshape`), with the same backend,
+        timeout and options. Wherever a group of the view has the ranks and
+        backend of a group of this mesh (or of another view of it), both get the
+        same object: one communicator per rank set, never two.
+
+        A view is a scope of its own, not a sub-mesh: enter and close it on its
+        own (``with mesh.view(...) as expert:``). A group lives as long as the
+        last open scope that uses it, so closing either side never destroys a
+        group the other still uses, and closing this mesh does not close its
+        views. As for every group, members request shared groups in the same
+        order as their peers.
+        """
+        if not shape:
+            raise TypeError("view() needs a shape, e.g. mesh.view(2, 4, names=('edp', 'ep'))")
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], Sequence) else shape
+        with self._table.lock:
+            self._scope.check_open(self)
+            layout = self._layout.reshape(dims, names)  # type: ignore[arg-type]
+            view = object.__new__(ProcessGroupMesh)
+            view._init(
+                layout,
+                parent=None,
+                backend=self._backend,
+                timeout=self._timeout,
+                pg_options=self._pg_options,
+                place=(self._rank, layout.unravel(self._rank)),
+                table=self._table,
+            )
+        return view
+
     def __getitem__(self, axes: Axis | tuple[Axis, ...]) -> ProcessGroupMesh:
         """``mesh["pp", "tp"]``: the open sub-mesh over those axes, made on first use.
 
@@ -517,7 +569,12 @@ class ProcessGroupMesh:
         )
 
         return build_device_mesh(
-            self._layout, self._coord, device_type, axes, self.get_group_along_axis
+            self._layout,
+            self._coord,
+            device_type,
+            axes,
+            self.get_group_along_axis,
+            keeps_order=self._table.ordered,
         )
 
 

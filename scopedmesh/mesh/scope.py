@@ -3,9 +3,15 @@
 A :class:`Scope` is the per-scope half of a tree whose shared half is a
 :class:`~scopedmesh.mesh.group_table.GroupTable` (trio's ``CancelScope`` per
 scope, beside the ``CancelStatus`` the tree shares). It holds what is its own:
-the entries it formed (oldest first), its open child scopes, its parent, and
+the entries it holds (oldest first), its open child scopes, its parent, and
 the ``entered``/``closed`` flags. Closing it closes its children first, then
-hands its entries back to the table, newest first; nothing communicates.
+lets go of its entries, newest first; an entry no open scope holds any more
+goes back to the table, which destroys its group. Nothing communicates.
+
+A scope holds every entry it forms, and every entry it reuses unless one of
+its ancestors holds it already (an ancestor outlives its children). So a group
+lives exactly as long as the last scope that uses it: a view's scope keeps a
+group it shares with another view alive after that view closes.
 
 It knows nothing of axes: the object it serves (a ``ProcessGroupMesh``) is
 passed as ``owner`` where a message names it, and gives the dictionaries that
@@ -33,7 +39,7 @@ __all__ = ["Scope"]
 class Scope:
     """The lifetime of one mesh or sub-mesh over a shared :class:`GroupTable`."""
 
-    __slots__ = ("children", "closed", "entered", "forget", "made", "parent", "table")
+    __slots__ = ("children", "closed", "entered", "forget", "held", "parent", "table")
 
     def __init__(
         self,
@@ -44,7 +50,7 @@ class Scope:
         self.table = table
         self.parent = parent
         self.forget = forget  # the owner's caches of what it handed out through this scope
-        self.made: list[Entry] = []  # the entries this scope formed, oldest first
+        self.held: dict[Entry, None] = {}  # the entries this scope holds, oldest first
         self.children: list[Scope] = []  # open child scopes, oldest first
         self.closed = False
         self.entered = False
@@ -55,9 +61,16 @@ class Scope:
         self.children.append(child)
         return child
 
-    def own(self, entry: Entry) -> None:
-        """Record an entry this scope formed: it is released when the scope closes."""
-        self.made.append(entry)
+    def hold(self, entry: Entry) -> None:
+        """Hold ``entry`` (formed or reused here) until this scope closes, unless an
+        ancestor (or this scope) holds it already. The caller holds the table's lock."""
+        scope: Scope | None = self
+        while scope is not None:
+            if entry in scope.held:
+                return
+            scope = scope.parent
+        self.held[entry] = None
+        entry.holds += 1
 
     def check_open(self, owner: object) -> None:
         """Raise :class:`MeshClosedError` naming ``owner`` once the scope has closed."""
@@ -108,9 +121,14 @@ class Scope:
                     child._close()
                 except Exception as error:
                     errors.append(error)
-            errors += self.table.release(reversed(self.made))
+            unheld = []
+            for entry in reversed(self.held):
+                entry.holds -= 1
+                if entry.holds == 0:
+                    unheld.append(entry)
+            errors += self.table.release(unheld)
         finally:
-            self.made.clear()
+            self.held.clear()
             self.children.clear()
             for cache in self.forget:
                 cache.clear()
