@@ -111,8 +111,8 @@ def test_bad_requests_are_one_error_line(
     assert err.startswith("scopedmesh plan: error: ") and message in err and err.count("\n") == 1
 
 
-def test_readme_shows_what_the_cli_prints() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_the_nodes_page_shows_what_the_cli_prints() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "nodes.md").read_text()
     block = re.search(
         r"```console\n\$ \.venv/bin/python -m (scopedmesh plan [^\n]*--intra-node[^\n]*)\n"
         r"\.\.\.\n(.*?)```",

@@ -163,10 +163,10 @@ def test_svg_needs_no_torch() -> None:
     assert run.stdout.startswith("<svg")
 
 
-def test_the_readme_picture_is_what_the_cli_draws() -> None:
+def test_the_plan_page_picture_is_what_the_cli_draws() -> None:
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
-    match = re.search(r"!\[scopedmesh (plan [^\]]*)\]\(docs/plan\.svg\)", readme)
+    readme = (root / "docs" / "plan.md").read_text()
+    match = re.search(r"!\[scopedmesh (plan [^\]]*)\]\(plan\.svg\)", readme)
     assert match is not None
     drawn = _cli(*match.group(1).split()[1:], "--svg", "-")
     assert drawn == (root / "docs" / "plan.svg").read_text()

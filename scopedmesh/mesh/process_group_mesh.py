@@ -57,18 +57,9 @@ class ProcessGroupMesh:
         eager: make every single-axis group now. If that fails, the groups
             already made are destroyed before the error propagates.
 
-    Lifetime rules (tested in ``tests/test_reliability.py``):
-
-    - Entering a closed mesh raises :class:`MeshClosedError`; entering a mesh
-      that is already entered raises ``RuntimeError`` and leaves it open.
-    - Closing a mesh closes its open sub-meshes first; a sub-mesh whose parent
-      closed is closed: group methods raise ``MeshClosedError``, layout queries
-      still answer, and leaving its ``with`` block is a no-op.
-    - A group destroyed behind the mesh's back (``dist.destroy_process_group``,
-      with or without an argument) is skipped by ``close()``; asking the mesh
-      for it again raises ``RuntimeError`` rather than return a dead group.
-    - A mesh garbage-collected while open warns (``ResourceWarning``) and
-      destroys nothing; its groups stay live until destroyed by hand.
+    Lifetime rules: docs/lifetime.md (entering once, closing once and newest
+    first, sub-meshes and views, groups destroyed behind the mesh's back, the
+    ``ResourceWarning`` of a mesh dropped while open).
 
     THREADS (tested in ``tests/test_threads.py``). A mesh and its sub-meshes may
     be used from several threads: group requests, ``submesh``, slicing and
