@@ -140,10 +140,9 @@ def _scopedmesh(rows: int, size: int) -> None:
         mesh.get_group_along_axis(1)
 
 
-def _new_group(rank: int, size: int) -> None:
+def _new_group(rank: int, size: int, made: list[dist.ProcessGroup]) -> None:
     first = rank - rank % size
-    group = dist.new_group(list(range(first, first + size)), use_local_synchronization=True)
-    dist.destroy_process_group(group)
+    made.append(dist.new_group(list(range(first, first + size)), use_local_synchronization=True))
 
 
 def count_world(rank: int, world_size: int) -> dict[str, dict[int, dict[str, int]]]:
@@ -155,7 +154,14 @@ def count_world(rank: int, world_size: int) -> dict[str, dict[int, dict[str, int
     for size in SIZES:
         rows = world_size // size
         out.setdefault("scopedmesh", {})[size] = _counted(store, partial(_scopedmesh, rows, size))
-        out.setdefault("new_group", {})[size] = _counted(store, partial(_new_group, rank, size))
+        made: list[dist.ProcessGroup] = []
+        out.setdefault("new_group", {})[size] = _counted(
+            store, partial(_new_group, rank, size, made)
+        )
+        # Destroyed only after WORLD's barrier: a member that destroys its group while a peer
+        # is still connecting breaks the peer's formation (DESIGN.md, hazard 8).
+        for group in made:
+            dist.destroy_process_group(group)
         out.setdefault("device_mesh", {})[size] = _counted(
             store, partial(init_device_mesh, "cpu", (rows, size))
         )
