@@ -10,6 +10,8 @@ True
 
 from __future__ import annotations
 
+import reprlib
+
 __all__ = [
     "AxisError",
     "CoordinateError",
@@ -49,3 +51,28 @@ class CoordinateError(ValueError, IndexError):
 
 class LostRankError(RuntimeError):
     """This rank was declared lost by the survivors' verdict: it must not join the new mesh."""
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel = 4
+_SHOWN.maxtuple = _SHOWN.maxlist = _SHOWN.maxset = _SHOWN.maxfrozenset = 64
+_SHOWN.maxdict = 16
+_SHOWN.maxstring = _SHOWN.maxother = 200
+_SHOWN.maxlong = 60
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, bounded: a bad argument never breaks the error.
+
+    Deep, self-containing or huge values are cut short instead of recursing or
+    filling the message.
+
+    >>> shown((2, 4)), shown("tp")
+    ('(2, 4)', "'tp'")
+    >>> deep = [1]
+    >>> for _ in range(10_000):
+    ...     deep = [deep]
+    >>> shown(deep)
+    '[[[[...]]]]'
+    """
+    return _SHOWN.repr(value)

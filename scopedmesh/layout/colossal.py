@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from scopedmesh.errors import shown
 from scopedmesh.layout.ints import int_list
 from scopedmesh.layout.mesh_layout import MeshLayout, RavelMode
 
@@ -45,7 +46,7 @@ def get_coords_along_axis(
     if len(lists) != len(axes):
         raise ValueError(
             f"indices_at_axis must hold one list of indices per axis ({len(axes)}), "
-            f"got {indices_at_axis!r}"
+            f"got {shown(indices_at_axis)}"
         )
     for a in axes:
         if not -len(coord) <= a < len(coord):

@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from typing import TypeGuard
 
+from scopedmesh.errors import shown
+
 __all__ = ["as_range", "infer_shape", "int_list", "int_sequence", "is_int"]
 
 
@@ -21,20 +23,22 @@ def is_int(value: object) -> TypeGuard[int]:
 def int_sequence(value: object, argument: str) -> tuple[int, ...]:
     """``value`` as a tuple of plain ints, or a TypeError naming ``argument``."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"{argument} must be a sequence of ints, got {value!r}")
+        raise TypeError(f"{argument} must be a sequence of ints, got {shown(value)}")
     items = tuple(value)
     for item in items:
         if not is_int(item):
-            raise TypeError(f"{argument} must contain only ints, got {item!r} in {value!r}")
+            raise TypeError(
+                f"{argument} must contain only ints, got {shown(item)} in {shown(value)}"
+            )
     return tuple(int(item) for item in items)
 
 
 def int_list(value: object, argument: str) -> list[int]:
     """``value`` as a list of ints, or a TypeError naming ``argument``."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"{argument} must be a sequence of ints, got {value!r}")
+        raise TypeError(f"{argument} must be a sequence of ints, got {shown(value)}")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise TypeError(f"{argument} must contain only ints, got {value!r}")
+        raise TypeError(f"{argument} must contain only ints, got {shown(value)}")
     return list(value)
 
 

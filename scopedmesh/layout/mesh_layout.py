@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, TypeAlias
 
-from scopedmesh.errors import AxisError, CoordinateError
+from scopedmesh.errors import AxisError, CoordinateError, shown
 from scopedmesh.layout.algebra import c_strides, fixed_offset, position, slice_view, solve, span
 from scopedmesh.layout.ints import as_range, infer_shape, int_sequence, is_int
 
@@ -75,7 +75,7 @@ class MeshLayout:
         elif isinstance(ranks, range):
             count, offset, step = len(ranks), ranks.start, ranks.step
             if count and min(ranks[0], ranks[-1]) < 0:
-                raise ValueError(f"ranks must be non-negative, got {ranks!r}")
+                raise ValueError(f"ranks must be non-negative, got {shown(ranks)}")
         else:
             table = int_sequence(ranks, "ranks")
             count, offset, step = len(table), 0, 1
@@ -95,14 +95,14 @@ class MeshLayout:
         if names is None:
             return None
         if isinstance(names, str) or not isinstance(names, Sequence):
-            raise TypeError(f"names must be a sequence of strings, got {names!r}")
+            raise TypeError(f"names must be a sequence of strings, got {shown(names)}")
         result = tuple(names)
         if not all(isinstance(name, str) and name for name in result):
-            raise TypeError(f"names must be non-empty strings, got {result!r}")
+            raise TypeError(f"names must be non-empty strings, got {shown(result)}")
         if len(result) != ndim:
             raise ValueError(f"names has {len(result)} entries but the shape has {ndim} axes")
         if len(set(result)) != len(result):
-            raise ValueError(f"names must be distinct, got {result!r}")
+            raise ValueError(f"names must be distinct, got {shown(result)}")
         return result
 
     def _init(
@@ -137,10 +137,10 @@ class MeshLayout:
         return view
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"MeshLayout is immutable; cannot set {name!r}")
+        raise AttributeError(f"MeshLayout is immutable; cannot set {shown(name)}")
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"MeshLayout is immutable; cannot delete {name!r}")
+        raise AttributeError(f"MeshLayout is immutable; cannot delete {shown(name)}")
 
     # ---------------------------------------------------------------- basics
 
@@ -174,10 +174,10 @@ class MeshLayout:
         return tuple(self._rank_at(c) for c in itertools.product(*map(range, self._shape)))
 
     def __repr__(self) -> str:
-        names = f", names={self._names!r}" if self._names is not None else ""
+        names = f", names={shown(self._names)}" if self._names is not None else ""
         default = self.size > 16 or self == MeshLayout(self._shape, self._names)
         ranks = "" if default else f", ranks={list(self.ranks)!r}"
-        return f"MeshLayout({self._shape!r}{names}{ranks})"
+        return f"MeshLayout({shown(self._shape)}{names}{ranks})"
 
     def __eq__(self, other: object) -> bool:
         """Equal shape, names and map from coordinates to ranks, however each was built."""
@@ -234,10 +234,10 @@ class MeshLayout:
                     if self._names
                     else "this mesh has no axis names"
                 )
-                raise AxisError(f"unknown {argument} {axis!r}; {known}")
+                raise AxisError(f"unknown {argument} {shown(axis)}; {known}")
             return self._names.index(axis)
         if not is_int(axis):
-            raise TypeError(f"{argument} must be an int or an axis name, got {axis!r}")
+            raise TypeError(f"{argument} must be an int or an axis name, got {shown(axis)}")
         if not -self.ndim <= axis < self.ndim:
             raise AxisError(f"{argument} {axis} is out of range for a mesh with {self.ndim} axes")
         return axis % self.ndim
@@ -252,7 +252,7 @@ class MeshLayout:
         each = "axis" if argument == "axes" else argument
         result = tuple(self.axis_index(a, argument=each) for a in items)
         if len(set(result)) != len(result):
-            raise ValueError(f"{argument} must be distinct, got {axes!r}")
+            raise ValueError(f"{argument} must be distinct, got {shown(axes)}")
         return result
 
     @staticmethod
@@ -261,7 +261,7 @@ class MeshLayout:
             return (axes,)
         if not isinstance(axes, Sequence) or not axes:
             raise TypeError(
-                f"{argument} must be an axis or a non-empty sequence of axes, got {axes!r}"
+                f"{argument} must be an axis or a non-empty sequence of axes, got {shown(axes)}"
             )
         return tuple(axes)
 
@@ -300,7 +300,7 @@ class MeshLayout:
         (5, 4, 3)
         """
         if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+            raise ValueError(f"mode must be one of {_MODES}, got {shown(mode)}")
         values = int_sequence(coord, "coord")
         if len(values) != self.ndim:
             self._check_coord(values)  # raises; zip() below would silently truncate
@@ -317,13 +317,13 @@ class MeshLayout:
         (1, 1, 0)
         """
         if not is_int(rank):
-            raise TypeError(f"rank must be an int, got {rank!r}")
+            raise TypeError(f"rank must be an int, got {shown(rank)}")
         at = self._position_of(rank)
         if at is not None:
             coord = solve(at - self._offset, self._shape, self._strides)
             if coord is not None:
                 return coord
-        raise CoordinateError(f"rank {rank} is not in {self!r}")
+        raise CoordinateError(f"rank {rank} is not in {shown(self)}")
 
     def _position_of(self, rank: int) -> int | None:
         if self._table is None:
@@ -415,7 +415,7 @@ class MeshLayout:
                 a = self.axis_index(axis, argument="key")
                 if a in seen:
                     raise ValueError(
-                        f"key names axis {self.axis_name(a)!r} more than once: {key!r}"
+                        f"key names axis {self.axis_name(a)!r} more than once: {shown(key)}"
                     )
                 seen.add(a)
                 per_axis[a] = self._check_index(index)
@@ -437,14 +437,14 @@ class MeshLayout:
         if isinstance(index, slice):
             for part in (index.start, index.stop, index.step):
                 if part is not None and not is_int(part):
-                    raise TypeError(f"slice parts must be ints or None, got {index!r}")
+                    raise TypeError(f"slice parts must be ints or None, got {shown(index)}")
             if index.step == 0:
                 raise ValueError("slice step must not be zero")
             return index
         if is_int(index):
             return int(index)
         raise TypeError(
-            f"layout indices must be ints, slices, '...' or a mapping of axis to index, got {index!r}"
+            f"layout indices must be ints, slices, '...' or a mapping of axis to index, got {shown(index)}"
         )
 
     def __iter__(self) -> Iterator[MeshLayout]:
@@ -463,10 +463,10 @@ class MeshLayout:
             several = not (isinstance(axes, (str, int)) and not isinstance(axes, bool))
             lists = indices if several else [indices]
             if isinstance(lists, (str, bytes)) or not isinstance(lists, Sequence):
-                raise TypeError(f"indices must be a sequence, got {indices!r}")
+                raise TypeError(f"indices must be a sequence, got {shown(indices)}")
             if len(lists) != len(chosen):
                 raise ValueError(
-                    f"indices must hold one sequence of positions per axis ({len(chosen)}), got {indices!r}"
+                    f"indices must hold one sequence of positions per axis ({len(chosen)}), got {shown(indices)}"
                 )
             per_axis = []
             for a, positions in zip(chosen, lists):

@@ -32,6 +32,8 @@ import itertools
 import math
 from collections.abc import Hashable, Mapping, Sequence
 
+from scopedmesh.errors import shown
+from scopedmesh.layout.ints import is_int
 from scopedmesh.layout.mesh_layout import Axes, MeshLayout
 
 __all__ = ["node_aware_ranks", "node_numbers", "nodes_from_env"]
@@ -49,12 +51,14 @@ def node_numbers(nodes: Sequence[Hashable]) -> tuple[int, ...]:
     (0, 1, 0, 1)
     """
     if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Sequence):
-        raise TypeError(f"nodes must be a sequence with one node label per rank, got {nodes!r}")
+        raise TypeError(
+            f"nodes must be a sequence with one node label per rank, got {shown(nodes)}"
+        )
     numbers: dict[Hashable, int] = {}
     try:
         return tuple(numbers.setdefault(label, len(numbers)) for label in nodes)
     except TypeError:
-        raise TypeError(f"node labels must be hashable, got {list(nodes)!r}") from None
+        raise TypeError(f"node labels must be hashable, got {shown(list(nodes))}") from None
 
 
 def node_aware_ranks(
@@ -80,9 +84,10 @@ def node_aware_ranks(
     ValueError: the intra-node axes (axis0=4) hold 4 ranks but a node holds only 2 ranks; ...
     """
     numbers = node_numbers(nodes)
-    if isinstance(shape, Sequence) and -1 not in shape and math.prod(shape) != len(numbers):
+    sizes = shape if isinstance(shape, Sequence) and all(is_int(n) for n in shape) else None
+    if sizes is not None and -1 not in sizes and math.prod(sizes) != len(numbers):
         raise ValueError(
-            f"shape {tuple(shape)} holds {math.prod(shape)} ranks but nodes lists "
+            f"shape {tuple(sizes)} holds {math.prod(sizes)} ranks but nodes lists "
             f"{len(numbers)} ranks"
         )
     layout = MeshLayout(shape, names, range(len(numbers)))
@@ -160,7 +165,7 @@ def nodes_from_env(env: Mapping[str, str]) -> tuple[int, ...] | None:
         try:
             values[key] = int(env[key])
         except ValueError:
-            raise ValueError(f"{key} must be an integer, got {env[key]!r}") from None
+            raise ValueError(f"{key} must be an integer, got {shown(env[key])}") from None
     rank, world, local = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
     per_node, group = values["LOCAL_WORLD_SIZE"], values["GROUP_RANK"]
     seen = ", ".join(f"{key}={value}" for key, value in values.items())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 
 __all__ = ["lost_positions", "shrink"]
@@ -25,14 +26,20 @@ __all__ = ["lost_positions", "shrink"]
 
 def _lost_ranks(layout: MeshLayout, lost: object) -> tuple[int, ...]:
     if isinstance(lost, (str, bytes)) or not isinstance(lost, Iterable):
-        raise TypeError(f"lost must be an iterable of global ranks, got {lost!r}")
+        raise TypeError(f"lost must be an iterable of global ranks, got {shown(lost)}")
     ranks = tuple(lost)
     for rank in ranks:
         if not isinstance(rank, int) or isinstance(rank, bool):
-            raise TypeError(f"lost must hold int ranks, got {rank!r}")
+            raise TypeError(f"lost must hold int ranks, got {shown(rank)}")
         if rank not in layout:
             raise ValueError(f"lost rank {rank} is not in the mesh's ranks {list(layout.ranks)}")
     return ranks
+
+
+def _check_layout(layout: object) -> MeshLayout:
+    if not isinstance(layout, MeshLayout):
+        raise TypeError(f"layout must be a MeshLayout, got {shown(layout)}")
+    return layout
 
 
 def lost_positions(layout: MeshLayout, lost: Iterable[int], axis: Axis) -> tuple[int, ...]:
@@ -42,7 +49,7 @@ def lost_positions(layout: MeshLayout, lost: Iterable[int], axis: Axis) -> tuple
     >>> lost_positions(MeshLayout((2, 2), names=("dp", "tp")), [3], "dp")
     (1,)
     """
-    index = layout.axis_index(axis)
+    index = _check_layout(layout).axis_index(axis)
     return tuple(sorted({layout.unravel(rank)[index] for rank in _lost_ranks(layout, lost)}))
 
 
@@ -62,7 +69,7 @@ def shrink(layout: MeshLayout, lost: Iterable[int], axis: Axis) -> MeshLayout:
     ...
     ValueError: axis 0 cannot absorb the loss of ranks [0, 3]: they lie in all 2 of its slices (positions [0, 1]), so no rank would survive; shrink another axis or restart
     """
-    index = layout.axis_index(axis)
+    index = _check_layout(layout).axis_index(axis)
     ranks = _lost_ranks(layout, lost)
     dropped = set(lost_positions(layout, ranks, index))
     size = layout.shape[index]

@@ -46,6 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import MeshLayout
 from scopedmesh.plan.arithmetic import group_coord, members, nested, nth, residues, spans
 
@@ -238,7 +239,7 @@ def make_plan(
 
 
 def _resolve_shape(shape: Sequence[int], world: int | None) -> tuple[int, ...]:
-    text = " ".join(map(str, shape))
+    text = " ".join(map(shown, shape))
     if any(n < 1 and n != -1 for n in shape):
         raise ValueError(f"axis sizes must be positive (or a single -1), got {text}")
     if list(shape).count(-1) > 1:
@@ -270,7 +271,7 @@ def _check_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | No
         raise ValueError(f"--names gives {given} but the shape has {ndim} axes")
     for name in result:
         if not name or "," in name:
-            raise ValueError(f"--names must be non-empty and without ',', got {name!r}")
+            raise ValueError(f"--names must be non-empty and without ',', got {shown(name)}")
     if len(set(result)) != len(result):
         raise ValueError(f"--names must be distinct, got {' '.join(result)}")
     return result
@@ -286,7 +287,7 @@ def _axis_set(layout: MeshLayout, labels: tuple[str, ...], spec: str) -> tuple[i
             items.append(int(token))
         else:
             known = ", ".join(labels)
-            raise ValueError(f"unknown axis {token!r} in --axis {spec}; the axes are {known}")
+            raise ValueError(f"unknown axis {shown(token)} in --axis {spec}; the axes are {known}")
     return tuple(sorted(layout.axes_indices(items, argument="--axis")))
 
 

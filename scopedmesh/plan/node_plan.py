@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import MeshLayout
 from scopedmesh.layout.placement import node_aware_ranks
 from scopedmesh.plan.arithmetic import nested
@@ -101,8 +102,16 @@ class NodePlan:
 
 def make_node_plan(layout: MeshLayout, spec: str, nproc: int | None) -> NodePlan:
     """The node-aware plan for ``--intra-node SPEC`` over ``layout``'s shape and names."""
+    if not isinstance(layout, MeshLayout):
+        raise TypeError(f"layout must be a MeshLayout, got {shown(layout)}")
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"--intra-node must be axis names or indices joined by ',', got {shown(spec)}"
+        )
     if nproc is None:
         raise ValueError("--intra-node needs --nproc-per-node, the number of ranks per node")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"--nproc-per-node must be a positive int, got {shown(nproc)}")
     if layout.size > MAX_WORLD:
         raise ValueError(f"--intra-node lists every rank: at most {MAX_WORLD}, got {layout.size}")
     labels = layout.names or tuple(f"axis{a}" for a in range(layout.ndim))
@@ -114,7 +123,9 @@ def make_node_plan(layout: MeshLayout, spec: str, nproc: int | None) -> NodePlan
             intra.append(layout.axis_index(int(token), argument="--intra-node"))
         else:
             known = ", ".join(labels)
-            raise ValueError(f"unknown axis {token!r} in --intra-node {spec}; the axes are {known}")
+            raise ValueError(
+                f"unknown axis {shown(token)} in --intra-node {spec}; the axes are {known}"
+            )
     if len(set(intra)) != len(intra):
         raise ValueError(f"--intra-node must name distinct axes, got {spec}")
     if layout.size % nproc:

@@ -22,6 +22,7 @@ from typing import cast
 from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn, SearchStrategy
 
+from scopedmesh.errors import shown
 from scopedmesh.layout import Axes, Axis, MeshLayout
 
 __all__ = [
@@ -52,7 +53,7 @@ _NAME = st.one_of(
 
 def _check_count(value: object, argument: str, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{argument} must be an int, got {value!r}")
+        raise TypeError(f"{argument} must be an int, got {shown(value)}")
     if value < minimum:
         raise ValueError(f"{argument} must be at least {minimum}, got {value}")
     return value
@@ -60,7 +61,7 @@ def _check_count(value: object, argument: str, minimum: int) -> int:
 
 def _check_layout(layout: object) -> MeshLayout:
     if not isinstance(layout, MeshLayout):
-        raise TypeError(f"layout must be a MeshLayout, got {layout!r}")
+        raise TypeError(f"layout must be a MeshLayout, got {shown(layout)}")
     return layout
 
 
@@ -167,7 +168,7 @@ def layouts(
     _check_count(max_world, "max_world", 1)
     for value, argument in ((with_names, "with_names"), (with_ranks, "with_ranks")):
         if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{argument} must be True, False or None, got {value!r}")
+            raise TypeError(f"{argument} must be True, False or None, got {shown(value)}")
     return _layouts(min_axes, max_axes, max_world, with_names, with_ranks)
 
 
@@ -209,7 +210,7 @@ def axes(
     _check_count(min_size, "min_size", 0)
     _check_count(top, "max_size", min_size)
     if top > layout.ndim:
-        raise ValueError(f"max_size {top} exceeds the {layout.ndim} axes of {layout!r}")
+        raise ValueError(f"max_size {top} exceeds the {layout.ndim} axes of {shown(layout)}")
     return _axes(layout, min_size, top)
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import TYPE_CHECKING, Any
 
+from scopedmesh.errors import shown
+
 if TYPE_CHECKING:
     from scopedmesh.mesh import ProcessGroupMesh
 
@@ -82,12 +84,17 @@ def spec_from_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorldSpec
     ...
     ValueError: world(size): size must be >= 1, got 0
     """
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        raise TypeError(
+            f"the world marker takes positional and keyword arguments, got {shown(args)}, "
+            f"{shown(kwargs)}"
+        )
     known = {"backend", "timeout", "mesh", "names", "reuse"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise TypeError(f"world(): unknown option {unknown[0]!r}; options are {sorted(known)}")
+        raise TypeError(f"world(): unknown option {shown(unknown[0])}; options are {sorted(known)}")
     if len(args) != 1:
-        raise TypeError(f"world(size) takes one positional argument, the size; got {args!r}")
+        raise TypeError(f"world(size) takes one positional argument, the size; got {shown(args)}")
     size = args[0]
     if isinstance(size, bool) or not isinstance(size, int):
         raise TypeError(f"world(size): size must be an int, got {type(size).__name__}")
@@ -95,22 +102,28 @@ def spec_from_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorldSpec
         raise ValueError(f"world(size): size must be >= 1, got {size}")
     backend = kwargs.get("backend", "gloo")
     if not isinstance(backend, str) or not backend:
-        raise TypeError(f"world(backend=...): backend must be a non-empty str, got {backend!r}")
+        raise TypeError(
+            f"world(backend=...): backend must be a non-empty str, got {shown(backend)}"
+        )
     timeout = kwargs.get("timeout", DEFAULT_TIMEOUT)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"world(timeout=...): timeout must be seconds, got {timeout!r}")
+        raise TypeError(f"world(timeout=...): timeout must be seconds, got {shown(timeout)}")
     if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"world(timeout=...): timeout must be finite and > 0, got {timeout!r}")
+        raise ValueError(
+            f"world(timeout=...): timeout must be finite and > 0, got {shown(timeout)}"
+        )
     reuse = kwargs.get("reuse", False)
     if not isinstance(reuse, bool):
-        raise TypeError(f"world(reuse=...): reuse must be True or False, got {reuse!r}")
+        raise TypeError(f"world(reuse=...): reuse must be True or False, got {shown(reuse)}")
     mesh = _mesh_shape(kwargs.get("mesh"), size)
     names = kwargs.get("names")
     if names is not None:
         if mesh is None:
             raise ValueError("world(names=...): names need a mesh shape, e.g. mesh=(2, 2)")
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise TypeError(f"world(names=...): names must be a sequence of str, got {names!r}")
+            raise TypeError(
+                f"world(names=...): names must be a sequence of str, got {shown(names)}"
+            )
         names = tuple(names)
         if len(names) != len(mesh):
             raise ValueError(f"world(names=...): {len(names)} names for {len(mesh)} mesh axes")
@@ -123,9 +136,9 @@ def _mesh_shape(mesh: object, size: int) -> tuple[int, ...] | None:
     if isinstance(mesh, int) and not isinstance(mesh, bool):
         mesh = (mesh,)
     if not isinstance(mesh, (tuple, list)) or not mesh:
-        raise TypeError(f"world(mesh=...): mesh must be a tuple of axis sizes, got {mesh!r}")
+        raise TypeError(f"world(mesh=...): mesh must be a tuple of axis sizes, got {shown(mesh)}")
     if any(isinstance(n, bool) or not isinstance(n, int) for n in mesh):
-        raise TypeError(f"world(mesh=...): axis sizes must be ints, got {mesh!r}")
+        raise TypeError(f"world(mesh=...): axis sizes must be ints, got {shown(mesh)}")
     shape = tuple(mesh)
     known = math.prod(n for n in shape if n != -1)
     inferred = shape.count(-1)
@@ -175,7 +188,7 @@ def _load(name: str, path: str) -> ModuleType:
         return module
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None:
-        raise ImportError(f"cannot load the test module {name!r} from {path}")
+        raise ImportError(f"cannot load the test module {shown(name)} from {path}")
     module = importlib.util.module_from_spec(spec)
     source = Path(path).read_bytes()
     code = _rewritten(source, path) or compile(source, path, "exec", dont_inherit=True)
