@@ -9,7 +9,6 @@ taking the store with it. Each worker writes its report as JSON to
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
 import traceback
@@ -26,6 +25,7 @@ from scopedmesh.c10d import closable as _closable
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.heal import LostRankError, agree_on_lost, reform
 from scopedmesh.mesh import ProcessGroupMesh
+from scopedmesh.testing.launcher import world_context
 
 NAMES = ("dp", "tp")
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1
@@ -66,14 +66,14 @@ def launch(
     args: tuple[Any, ...] = (),
     timeout: float = 600,
 ) -> dict[str, Any]:
-    """Host the store here, run ``fn(rank, world, outdir, *args)`` on ``world`` spawned workers.
+    """Host the store here, run ``fn(rank, world, outdir, *args)`` on ``world`` forked workers.
 
     Returns the reports by rank, the exit codes, and the store's key count and
     this (store-host) process's RSS before and after.
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     keys_before, rss_before = store.num_keys(), rss_kib()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = world_context()  # ranks forked from the warm server, as run_world's
     procs = [
         ctx.Process(target=_child, args=(fn, r, world, store.port, args, outdir), daemon=True)
         for r in range(world)

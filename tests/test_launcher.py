@@ -1,10 +1,12 @@
-"""Tests for scopedmesh.testing.launcher: each spawned world costs seconds, so checks are combined."""
+"""Tests for scopedmesh.testing.launcher: worlds forked from the warm server, and spawned ones."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -134,6 +136,8 @@ def test_free_port() -> None:
         ({"allow_exit": {2}}, ValueError, "allow_exit"),
         ({"allow_exit": 1}, TypeError, "allow_exit"),
         ({"backend": ""}, TypeError, "backend"),
+        ({"start_method": "fork"}, ValueError, "start_method"),
+        ({"start_method": None}, TypeError, "start_method"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], name: str) -> None:
@@ -141,3 +145,41 @@ def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], name: st
     with pytest.raises(exc, match=name):
         run_world(**call)  # type: ignore[arg-type]
     assert multiprocessing.active_children() == []
+
+
+def environment_and_pid(rank: int, world_size: int, name: str) -> tuple[str | None, int]:
+    """A rank's view of one environment variable, and its process id (run on the ranks)."""
+    return os.environ.get(name), os.getpid()
+
+
+def test_the_callers_current_environment_reaches_forked_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_world(environment_and_pid, 2, args=("SCOPEDMESH_PROBE",))  # the server is up
+    monkeypatch.setenv("SCOPEDMESH_PROBE", "set after the fork server started")
+    first = run_world(environment_and_pid, 2, args=("SCOPEDMESH_PROBE",))
+    assert [value for value, _ in first] == ["set after the fork server started"] * 2
+    monkeypatch.delenv("SCOPEDMESH_PROBE")
+    second = run_world(environment_and_pid, 2, args=("SCOPEDMESH_PROBE",))
+    assert [value for value, _ in second] == [None, None]
+    assert {pid for _, pid in first}.isdisjoint(pid for _, pid in second)  # fresh ranks
+
+
+def test_spawn_still_starts_ranks_as_new_interpreters() -> None:
+    results = run_world(environment_and_pid, 2, args=("PATH",), start_method="spawn")
+    assert [value for value, _ in results] == [os.environ.get("PATH")] * 2
+    assert len({pid for _, pid in results}) == 2
+
+
+def test_the_fork_server_imports_start_no_thread() -> None:
+    code = (
+        "import importlib, os\n"
+        "from scopedmesh.testing.launcher import WARM_MODULES\n"
+        "for name in WARM_MODULES:\n"
+        "    importlib.import_module(name)\n"
+        "print(len(os.listdir('/proc/self/task')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "1", out.stderr

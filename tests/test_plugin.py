@@ -6,6 +6,11 @@ cases. Every run checks that no rank process outlives it.
 
 from __future__ import annotations
 
+import json
+
+# pytester's in-process runs restore sys.modules afterwards: the fork server's module,
+# imported again, would start a second server, so it is imported here, before any run.
+import multiprocessing.forkserver  # noqa: F401
 import os
 import subprocess
 import sys
@@ -21,6 +26,11 @@ import scopedmesh.testing.reuse  # noqa: F401
 pytest_plugins = ("pytester",)
 
 HEADER = """
+import json
+
+# pytester's in-process runs restore sys.modules afterwards: the fork server's module,
+# imported again, would start a second server, so it is imported here, before any run.
+import multiprocessing.forkserver  # noqa: F401
 import os
 from pathlib import Path
 
@@ -110,7 +120,7 @@ def test_hang_fails_after_the_timeout(pytester: pytest.Pytester, tmp_path: Path)
 import time
 
 
-@pytest.mark.world(2, timeout=30)
+@pytest.mark.world(2, timeout=10)
 def test_hang(world):
     record("hang", world.rank)
     if world.rank == 1:
@@ -120,7 +130,7 @@ def test_hang(world):
     result = _run(pytester)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert "world of 2 ranks timed out after 30 s; ranks still running: [" in out
+    assert "world of 2 ranks timed out after 10 s; ranks still running: [" in out
     _assert_gone(_pids(tmp_path, "hang"))
 
 
@@ -246,3 +256,160 @@ def test_marker_is_registered_and_loading_the_plugin_leaves_torch_out(
     code = "import sys, scopedmesh.testing.plugin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+HYPOTHESIS_TESTS = """
+import json
+from hypothesis import Phase, example, given, settings, strategies as hs
+
+
+def seen(name, rank, value):
+    with PIDS.joinpath(f"{name}-{rank}.seen").open("a") as f:
+        f.write(json.dumps(value) + "\\n")
+
+
+@settings(max_examples=30, deadline=None)
+@example(x=-7, shape=(4,))
+@given(x=hs.integers(-1000, 1000), shape=hs.sampled_from([(4,), (2, 2), (1, 4)]))
+@pytest.mark.world(4)
+def test_lockstep(world, x, shape):
+    from scopedmesh import ProcessGroupMesh
+    record("lockstep", world.rank)
+    seen("lockstep", world.rank, [x, list(shape)])
+    with ProcessGroupMesh(*shape) as mesh:
+        t = torch.tensor([float(x + world.rank)])
+        dist.all_reduce(t, group=mesh.get_group_along_axis(len(shape) - 1))
+        ranks = mesh.layout.group(mesh.coordinate(), len(shape) - 1)
+        assert t.item() == len(ranks) * x + sum(ranks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=hs.integers(0, 1000))
+@pytest.mark.world(4)
+def test_fails_on_rank_1_from_17(world, x):
+    record("shrink", world.rank)
+    seen("shrink", world.rank, x)
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    if world.rank == 1:
+        assert x < 17
+
+
+@settings(deadline=None, phases=[Phase.explicit])
+@example(x=3)
+@pytest.mark.world(2, timeout=5)
+@given(x=hs.integers())
+def test_hangs_on_rank_0(world, x):
+    record("hang", world.rank)
+    if world.rank == 0:
+        import time
+        time.sleep(3600)
+
+
+@pytest.mark.world(2)
+def test_after_the_hang(world):
+    record("after", world.rank)
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    assert t.item() == 2.0
+"""
+
+
+def _seen(pid_dir: Path, name: str) -> dict[str, list[object]]:
+    return {
+        p.name: [json.loads(line) for line in p.read_text().splitlines()]
+        for p in sorted(pid_dir.glob(f"{name}-*.seen"))
+    }
+
+
+def test_hypothesis_drives_a_world_in_lockstep_and_shrinks_a_failure(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    _write(pytester, tmp_path, HYPOTHESIS_TESTS)
+    result = _run(pytester)
+    result.assert_outcomes(passed=2, failed=2)
+    out = result.stdout.str()
+
+    # Every example ran on every rank, in the same order: hypothesis draws in pytest only.
+    lockstep = _seen(tmp_path, "lockstep")
+    assert len(lockstep) == 4
+    runs = list(lockstep.values())
+    assert all(run == runs[0] for run in runs)
+    assert runs[0][0] == [-7, [4]] and len(runs[0]) > 10  # @example first, then drawn ones
+
+    # The failure on rank 1 shrank to the smallest x, and the report shows rank 1's traceback.
+    assert "rank 1 of a world of 4 failed" in out
+    assert "in test_fails_on_rank_1_from_17" in out
+    assert "assert 17 < 17" in out
+    assert "x=17" in out
+    shrink = _seen(tmp_path, "shrink")
+    assert shrink["shrink-0.seen"][-1] == 17  # the last example replayed is the shrunk one
+
+    # A hung example fails within the marker's timeout; the next test gets a fresh world.
+    assert "world of 2 ranks timed out after 5 s; ranks still running: [0]" in out
+    assert _pids(tmp_path, "after").isdisjoint(_pids(tmp_path, "hang"))
+    for name in ("lockstep", "shrink", "hang", "after"):
+        _assert_gone(_pids(tmp_path, name))
+
+    # The example database: a second run replays the saved failure first.
+    for p in tmp_path.glob("shrink-*.seen"):
+        p.unlink()
+    again = _run(pytester, "-k", "fails_on_rank_1")
+    again.assert_outcomes(failed=1, deselected=3)
+    assert _seen(tmp_path, "shrink")["shrink-1.seen"][0] == 17
+
+
+LEAK_TESTS = """
+@pytest.mark.world(2)
+@pytest.mark.parametrize("i", range({n}))
+def test_all_reduce(world, i):
+    record(f"sum{{i}}", world.rank)
+    t = torch.tensor([float(world.rank)])
+    dist.all_reduce(t)
+    assert t.item() == 1.0
+
+
+@pytest.mark.xfail(strict=True)
+@pytest.mark.world(2)
+def test_kill_a_rank(world):
+    if world.rank == 1:
+        os._exit(9)
+    dist.barrier()
+
+
+@pytest.mark.world(2)
+def test_destroy_world(world):
+    dist.destroy_process_group()
+
+
+@pytest.mark.world(2)
+def test_leave_a_group_undestroyed(world):
+    group = dist.new_group([0, 1])
+    dist.barrier(group=group)
+
+
+@pytest.mark.world(2)
+def test_after_the_poison(world):
+    group = dist.new_group([0, 1])
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=group)
+    assert t.item() == 2.0 and dist.get_world_size() == 2
+"""
+
+
+def _footprint() -> tuple[int, int, int]:
+    """This process's open fds, its child processes, and the files in /dev/shm."""
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    return len(os.listdir("/proc/self/fd")), len(children), len(os.listdir("/dev/shm"))
+
+
+def test_no_leak_and_no_poison_between_world_tests(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    _write(pytester, tmp_path, LEAK_TESTS.format(n=1))
+    _run(pytester).assert_outcomes(passed=4, xfailed=1)  # starts the fork server, if not yet
+    before = _footprint()
+    _write(pytester, tmp_path, LEAK_TESTS.format(n=20))
+    _run(pytester).assert_outcomes(passed=23, xfailed=1)
+    assert _footprint() == before
+    _assert_gone(set().union(*(_pids(tmp_path, f"sum{i}") for i in range(20))))

@@ -1,9 +1,17 @@
 """Run a function on a small local ``torch.distributed`` world, one process per rank.
 
-:func:`run_world` spawns ``world_size`` processes over loopback, initialises a
+:func:`run_world` starts ``world_size`` processes over loopback, initialises a
 process group in each, calls ``fn(rank, world_size, *args)`` and returns the
 results indexed by rank. A rank that raises, dies or hangs becomes a
 :class:`WorldError` in the parent; no child process outlives the call.
+
+Ranks are forked from a warm server process (``start_method="forkserver"``, the
+default): one clean interpreter, started on first use, that has imported torch,
+``torch.distributed`` and scopedmesh and nothing else, and never starts a thread
+or touches CUDA. Each rank is a fresh fork of it, so a world starts in a fraction
+of a second instead of paying torch's import once per rank, and no rank sees
+another world's process group, store or groups. ``start_method="spawn"`` starts
+every rank as a new interpreter instead (slow, but nothing is shared at all).
 
 >>> issubclass(WorldError, RuntimeError)
 True
@@ -22,18 +30,60 @@ import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-__all__ = ["WorldError", "free_port", "run_world"]
+from scopedmesh.testing.world import START_METHODS
+
+__all__ = ["START_METHODS", "WorldError", "free_port", "run_world", "world_context"]
 
 T = TypeVar("T")
 
 # How long to wait for a child to go after SIGTERM before SIGKILL, and after SIGKILL.
 _TERM_WAIT = 2.0
 _KILL_WAIT = 5.0
+
+# What the fork server imports before it forks its first rank (a module that is not
+# installed is skipped): torch and scopedmesh, plus what a rank needs to load a test
+# module (pytest's assertion rewriting, hypothesis).
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "scopedmesh",
+    "scopedmesh.testing.launcher",
+    "scopedmesh.testing.world",
+    "_pytest.assertion.rewrite",
+    "hypothesis",
+)
+
+
+def world_context(start_method: str = "forkserver") -> ForkServerContext | SpawnContext:
+    """The ``multiprocessing`` context that starts a world's ranks.
+
+    ``"forkserver"``: ranks fork from one warm, single-threaded server that has
+    imported :data:`WARM_MODULES` (started on first use, it lives as long as the
+    calling process). ``"spawn"``: every rank is a new interpreter.
+
+    >>> world_context("spawn").get_start_method()
+    'spawn'
+    >>> world_context("fork")
+    Traceback (most recent call last):
+    ...
+    ValueError: start_method must be one of ('forkserver', 'spawn'), got 'fork'
+    """
+    if not isinstance(start_method, str):
+        raise TypeError(f"start_method must be a str, got {type(start_method).__name__}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method == "spawn":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # Takes effect when the server starts; later calls leave a running server alone.
+    ctx.set_forkserver_preload(list(WARM_MODULES))
+    return ctx
 
 
 class WorldError(RuntimeError):
@@ -97,7 +147,11 @@ def join_world(
     init_timeout: float,
     env: Mapping[str, str] | None = None,
 ) -> None:
-    """In a rank's process: the launcher's environment, then the default group over ``port``."""
+    """In a rank's process: the launcher's environment, then the default group over ``port``.
+
+    ``env`` is laid over the process's environment (a forked rank starts with
+    the fork server's; :func:`adopt_environment` first gives it the caller's).
+    """
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -119,12 +173,14 @@ def _child_main(
     port: int,
     backend: str,
     init_timeout: float,
+    caller_env: dict[str, str],
     env: dict[str, str],
     conn: Connection,
 ) -> None:
     """Body of one rank's process: init, run ``fn``, report, tear down."""
     try:
         try:
+            adopt_environment(caller_env)
             join_world(rank, world_size, port, backend, init_timeout, env)
             result = fn(rank, world_size, *args)
         except Exception:
@@ -142,6 +198,12 @@ def _child_main(
         conn.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def adopt_environment(env: Mapping[str, str]) -> None:
+    """Make this process's environment ``env`` exactly, as a spawned child's would be."""
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -235,12 +297,14 @@ def run_world(
     init_timeout: float = 60.0,
     grace: float = 5.0,
     allow_exit: Collection[int] = (),
+    start_method: str = "forkserver",
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return results by rank.
 
-    Each rank is a fresh ("spawn") process with ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and then ``env`` set, and a default
-    process group of ``backend`` initialised over 127.0.0.1. The calling process
+    Each rank is a fresh process (forked from the warm server, or spawned: see
+    :func:`world_context`) with the caller's environment, then ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``env`` set, and
+    a default process group of ``backend`` initialised over 127.0.0.1. The calling process
     hosts the world's store (as torchrun's agent does), so a rank that finishes
     early and exits leaves the store to the others. ``fn`` must be a
     top-level (picklable) function, and its result picklable.
@@ -264,7 +328,8 @@ def run_world(
     init_timeout = _check_positive("init_timeout", init_timeout)
     grace = _check_positive("grace", grace, allow_zero=True)
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = world_context(start_method)
+    caller_env = dict(os.environ)
     store = host_store(init_timeout)
     port = store.port
     procs: list[BaseProcess] = []
@@ -278,7 +343,18 @@ def run_world(
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child_main,
-                args=(fn, rank, world_size, args, port, backend, init_timeout, env_dict, writer),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    port,
+                    backend,
+                    init_timeout,
+                    caller_env,
+                    env_dict,
+                    writer,
+                ),
                 name=f"run_world-rank{rank}",
                 daemon=True,
             )

@@ -26,6 +26,17 @@ that leave the world as they found it (groups made through ``with`` meshes,
 WORLD not destroyed); a test that fails, hangs or destroys WORLD ends that
 world and the next test starts a fresh one.
 
+Ranks fork from a warm server that has imported torch once (see
+:func:`scopedmesh.testing.launcher.world_context`), so a world starts in a
+fraction of a second; ``pytest --world-start=spawn`` starts each rank as a new
+interpreter instead.
+
+A test that is also ``@given(...)`` (hypothesis) runs hypothesis in the pytest
+process and every example on all ranks of one live world, in lockstep: the
+ranks receive the drawn values, a failure on any rank fails the example (so
+hypothesis shrinks it), the report names the rank with its traceback, and a
+failed or hung example gets a fresh world for the next one.
+
 Loading the plugin imports neither torch nor the launcher.
 
 >>> spec_from_marker((4,), {"mesh": (2, -1), "reuse": True})
@@ -34,12 +45,20 @@ WorldSpec(size=4, backend='gloo', timeout=120.0, mesh=(2, -1), names=None, reuse
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import pickle
 from typing import Any
 
 import pytest
 
-from scopedmesh.testing.world import FixtureSlot, WorldSpec, WorldTask, spec_from_marker
+from scopedmesh.testing.world import (
+    START_METHODS,
+    FixtureSlot,
+    WorldSpec,
+    WorldTask,
+    spec_from_marker,
+)
 
 __all__ = ["mesh", "world"]
 
@@ -54,35 +73,63 @@ _MARKER = (
 )
 
 
+# Once one rank has failed an example, the others get this long to report: a rank
+# left waiting in a collective for the failed one would otherwise cost every
+# shrinking step the full grace of a plain test.
+EXAMPLE_GRACE = 1.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--world-start",
+        choices=START_METHODS,
+        default="forkserver",
+        help="how @pytest.mark.world ranks start: forked from a warm server that has "
+        "imported torch (forkserver, the default) or as new interpreters (spawn)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER)
     config.stash[_WORLDS] = {}
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own setup: the fixtures are filled
 def pytest_runtest_setup(item: pytest.Item) -> None:
     marker = item.get_closest_marker("world")
+    spec = None
     if marker is not None:
-        item.stash[_SPEC] = spec_from_marker(marker.args, dict(marker.kwargs))
+        spec = item.stash[_SPEC] = spec_from_marker(marker.args, dict(marker.kwargs))
+    if isinstance(item, pytest.Function):
+        _check_slots(item, spec)
 
 
-@pytest.fixture
-def world(request: pytest.FixtureRequest) -> Any:
+# Session-scoped: the value is a constant stand-in here; each rank puts its own world
+# (and a mesh opened for each test, or each hypothesis example) in its place.
+@pytest.fixture(scope="session")
+def world() -> Any:
     """This rank's :class:`~scopedmesh.testing.world.WorldRank` in a ``@pytest.mark.world`` test."""
-    if request.node.get_closest_marker("world") is None:
-        raise ValueError("the world fixture needs the test marked @pytest.mark.world(size)")
     return FixtureSlot("world")
 
 
-@pytest.fixture
-def mesh(request: pytest.FixtureRequest) -> Any:
+@pytest.fixture(scope="session")
+def mesh() -> Any:
     """The open ``ProcessGroupMesh`` of ``@pytest.mark.world(size, mesh=shape)``, closed after."""
-    marker = request.node.get_closest_marker("world")
-    if marker is None or marker.kwargs.get("mesh") is None:
+    return FixtureSlot("mesh")
+
+
+def _check_slots(item: pytest.Function, spec: WorldSpec | None) -> None:
+    """Refuse the plugin's fixtures in a test that cannot fill them."""
+    slots = {v.name for v in item.funcargs.values() if isinstance(v, FixtureSlot)}
+    if slots and spec is None:
+        raise ValueError(
+            f"the {sorted(slots)[0]} fixture needs the test marked @pytest.mark.world(size)"
+        )
+    if "mesh" in slots and spec is not None and spec.mesh is None:
         raise ValueError(
             "the mesh fixture needs a mesh shape in the marker, e.g. "
             "@pytest.mark.world(4, mesh=(2, 2), names=('dp', 'tp'))"
         )
-    return FixtureSlot("mesh")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -91,6 +138,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if spec is None:
         return None
     task = _task(pyfuncitem, spec)
+    if hasattr(pyfuncitem.obj, "hypothesis"):
+        _run_examples(pyfuncitem, spec, task)
+        return True
     from scopedmesh.testing.launcher import WorldError, run_world
     from scopedmesh.testing.world import run_task
 
@@ -106,6 +156,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
                 backend=spec.backend,
                 timeout=spec.timeout,
                 init_timeout=spec.timeout,
+                start_method=_start_method(pyfuncitem),
             )
     except WorldError as error:
         failure = str(error)
@@ -114,21 +165,69 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+def _run_examples(item: pytest.Function, spec: WorldSpec, task: WorldTask) -> None:
+    """Run a ``@given`` world test: hypothesis here, each example on every rank of one world."""
+    from scopedmesh.testing.launcher import WorldError
+    from scopedmesh.testing.reuse import ReusedWorld
+    from scopedmesh.testing.world import run_task
+
+    if spec.reuse:
+        world = _reused(item, spec)
+    else:
+        world = ReusedWorld(spec.size, spec.backend, _start_method(item))
+
+    hypothesis = item.obj.hypothesis
+    inner = hypothesis.inner_test
+
+    @functools.wraps(inner)  # hypothesis names the test in its report by this function
+    def run_example(**kwargs: Any) -> None:
+        __tracebackhide__ = True
+        example = dataclasses.replace(task, kwargs=kwargs)
+        _check_picklable(item, kwargs, "the example's values")
+        try:
+            world.run(run_task, (example,), spec.timeout, grace=EXAMPLE_GRACE)
+        except WorldError as error:  # raised here, so the report is the ranks' tracebacks
+            raise WorldError(str(error), error.failures, error.still_running) from None
+        finally:
+            # A failed or hung example ended the world: start the next one now, so the
+            # next example's time (hypothesis's deadline) is its own.
+            world.start(spec.timeout)
+
+    hypothesis.inner_test = run_example
+    try:
+        world.start(spec.timeout)
+        item.obj(**task.kwargs)
+    finally:
+        hypothesis.inner_test = inner
+        if not spec.reuse:
+            world.close()
+
+
+def _start_method(item: pytest.Item) -> str:
+    method: str = item.config.getoption("world_start", "forkserver")
+    return method
+
+
+def _check_picklable(item: pytest.Item, values: dict[str, Any], what: str) -> None:
+    for name, value in values.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"{item.nodeid}: {what} {name!r} must be picklable to reach the ranks: {exc}"
+            ) from exc
+
+
 def _task(item: pytest.Function, spec: WorldSpec) -> WorldTask:
     module = item.module
     if module is None or getattr(module, "__file__", None) is None:
         raise TypeError(f"{item.nodeid}: a world test must be defined in a module file")
     names = item._fixtureinfo.argnames  # the function's own arguments
     kwargs = {name: item.funcargs[name] for name in names}
-    for name, value in kwargs.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            raise TypeError(
-                f"{item.nodeid}: fixture {name!r} is made in the pytest process and must be "
-                f"picklable to reach the ranks: {exc}"
-            ) from exc
-    return WorldTask(module.__name__, module.__file__, item.function.__qualname__, kwargs, spec)
+    _check_picklable(item, kwargs, "fixture (made in the pytest process)")
+    function = item.function
+    function = getattr(getattr(function, "hypothesis", None), "inner_test", function)
+    return WorldTask(module.__name__, module.__file__, function.__qualname__, kwargs, spec)
 
 
 def _reused(item: pytest.Function, spec: WorldSpec) -> Any:
@@ -137,7 +236,7 @@ def _reused(item: pytest.Function, spec: WorldSpec) -> Any:
     worlds = item.config.stash[_WORLDS]
     key = (_module_id(item), spec.size, spec.backend)
     if key not in worlds:
-        worlds[key] = ReusedWorld(spec.size, spec.backend)
+        worlds[key] = ReusedWorld(spec.size, spec.backend, _start_method(item))
     return worlds[key]
 
 

@@ -15,7 +15,7 @@ every rank a stop message, then terminates whatever is still alive.
 
 from __future__ import annotations
 
-import multiprocessing
+import os
 import pickle
 import time
 import traceback
@@ -36,15 +36,17 @@ def _serve(
     port: int,
     backend: str,
     init_timeout: float,
+    caller_env: dict[str, str],
     conn: Connection,
 ) -> None:
     """Body of one rank: init once, then run each task the parent sends until ``None``."""
     import torch.distributed as dist
 
-    from scopedmesh.testing.launcher import join_world
+    from scopedmesh.testing.launcher import adopt_environment, join_world
 
     try:
         try:
+            adopt_environment(caller_env)
             join_world(rank, world_size, port, backend, init_timeout)
         except Exception:
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -69,6 +71,10 @@ def _serve(
             dist.destroy_process_group()
 
 
+def _joined(rank: int, world_size: int) -> None:
+    """A task that does nothing: every rank answering it has joined the world."""
+
+
 class ReusedWorld:
     """``size`` local ranks over loopback that run one test after another.
 
@@ -77,9 +83,10 @@ class ReusedWorld:
     does; after any failure the world is closed.
     """
 
-    def __init__(self, size: int, backend: str = "gloo") -> None:
+    def __init__(self, size: int, backend: str = "gloo", start_method: str = "forkserver") -> None:
         self.size = size
         self.backend = backend
+        self.start_method = start_method
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._store: Any = None
@@ -94,17 +101,24 @@ class ReusedWorld:
         """The ranks' process ids (empty when not started)."""
         return [p.pid for p in self._procs if p.pid is not None]
 
-    def _start(self, init_timeout: float) -> None:
-        from scopedmesh.testing.launcher import host_store
+    def start(self, init_timeout: float) -> None:
+        """Start the ranks now, if they are not up, and wait until each has joined."""
+        if not self.alive:
+            self._start(init_timeout)
+            self.run(_joined, (), init_timeout)
 
-        ctx = multiprocessing.get_context("spawn")
+    def _start(self, init_timeout: float) -> None:
+        from scopedmesh.testing.launcher import host_store, world_context
+
+        ctx = world_context(self.start_method)
+        caller_env = dict(os.environ)
         self._store = host_store(init_timeout)  # outlives every rank, as in run_world
         port = self._store.port
         for rank in range(self.size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_serve,
-                args=(rank, self.size, port, self.backend, init_timeout, child),
+                args=(rank, self.size, port, self.backend, init_timeout, caller_env, child),
                 name=f"reused_world-rank{rank}",
                 daemon=True,
             )
@@ -113,8 +127,17 @@ class ReusedWorld:
             self._procs.append(proc)
             self._conns.append(parent)
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> None:
-        """Run ``fn(rank, world_size, *args)`` on every rank within ``timeout`` seconds."""
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        timeout: float,
+        grace: float = GRACE,
+    ) -> None:
+        """Run ``fn(rank, world_size, *args)`` on every rank within ``timeout`` seconds.
+
+        Once a rank has failed, the others get ``grace`` seconds to report.
+        """
         from scopedmesh.testing.launcher import WorldError, _collect, _failure_message
 
         deadline = time.monotonic() + timeout
@@ -130,7 +153,7 @@ class ReusedWorld:
                 pass  # the rank is gone; its end of the pipe tells why below
         results: dict[int, Any] = {}  # rank -> whether it ended its test cleanly
         readers = dict(enumerate(self._conns))
-        _collect(pending, deadline, GRACE, self._procs, readers, results, failures, frozenset())
+        _collect(pending, deadline, grace, self._procs, readers, results, failures, frozenset())
         broken = not all(results.values())
         if failures or pending or broken:
             self.close()

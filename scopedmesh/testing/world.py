@@ -30,9 +30,19 @@ from scopedmesh.errors import shown
 if TYPE_CHECKING:
     from scopedmesh.mesh import ProcessGroupMesh
 
-__all__ = ["FixtureSlot", "WorldRank", "WorldSpec", "WorldTask", "run_task", "spec_from_marker"]
+__all__ = [
+    "START_METHODS",
+    "FixtureSlot",
+    "WorldRank",
+    "WorldSpec",
+    "WorldTask",
+    "run_task",
+    "spec_from_marker",
+]
 
 DEFAULT_TIMEOUT = 120.0
+# How a world's ranks start: forked from a warm server, or spawned as new interpreters.
+START_METHODS = ("forkserver", "spawn")
 
 
 @dataclass(frozen=True)
@@ -149,8 +159,13 @@ def _mesh_shape(mesh: object, size: int) -> tuple[int, ...] | None:
 
 
 def run_task(rank: int, world_size: int, task: WorldTask) -> None:
-    """Run ``task``'s test on this rank (the body of every rank of a world test)."""
+    """Run ``task``'s test on this rank (the body of every rank of a world test).
+
+    For a hypothesis test, ``task.kwargs`` holds one example's values and the
+    test's inner function (what ``@given`` wraps) runs with them.
+    """
     fn = _test_function(task)
+    fn = getattr(getattr(fn, "hypothesis", None), "inner_test", fn)
     spec = task.spec
     if spec.mesh is None:
         fn(**_fill(task.kwargs, WorldRank(rank, world_size)))

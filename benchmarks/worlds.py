@@ -1,0 +1,158 @@
+"""What starting a local test world costs: ranks forked from a warm server vs spawned.
+
+    python -m benchmarks.worlds            # the table below, as markdown
+    python -m benchmarks.worlds --quick    # one repetition, 10 hypothesis examples
+
+Every figure is a wall time on this machine, reported beside the ratio to one
+fresh ``python -c "import torch, torch.distributed"`` measured in the same run,
+so that the table compares ways, not machines:
+
+- **first world**: ``run_world`` of an 8-rank ``all_reduce`` in a fresh process
+  (for ``forkserver`` this includes starting the server and its torch import);
+- **later world**: the next ``run_world`` in the same process;
+- **module of 10 tests**: ``python -m pytest`` over a module of ten
+  ``@pytest.mark.world(4)`` tests, one ``all_reduce`` each, no ``reuse``
+  (pytest's own start and its torch import included);
+- **hypothesis example**: what one more ``@given`` example of a 4-rank
+  ``all_reduce`` property costs, from two runs that differ by ``N`` examples.
+
+Each case runs in its own subprocess; nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("spawn", "forkserver")
+
+_WORLDS = """
+import sys, time
+import torch, torch.distributed as dist
+from scopedmesh.testing import run_world
+
+def all_reduce(rank, world_size):
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    return x.item()
+
+if __name__ == "__main__":
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        assert run_world(all_reduce, 8, start_method=sys.argv[1]) == [28.0] * 8
+        times.append(time.perf_counter() - start)
+    print(*times)
+"""
+
+_MODULE = """
+import pytest, torch, torch.distributed as dist
+
+{tests}
+"""
+
+_TEST = """
+@pytest.mark.world(4)
+def test_{i}(world):
+    x = torch.tensor([float(world.rank)])
+    dist.all_reduce(x)
+    assert x.item() == 6.0
+"""
+
+_EXAMPLES = """
+import pytest, torch, torch.distributed as dist
+from hypothesis import given, settings, strategies as hs
+
+@settings(max_examples={n}, deadline=None, database=None)
+@given(x=hs.integers(-1000, 1000))
+@pytest.mark.world(4)
+def test_sum(world, x):
+    t = torch.tensor([float(x + world.rank)])
+    dist.all_reduce(t)
+    assert t.item() == 4 * x + 6
+"""
+
+
+def _timed(argv: list[str], cwd: Path) -> tuple[float, str]:
+    start = time.perf_counter()
+    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=1800)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return elapsed, proc.stdout
+
+
+def _pytest(module: Path, method: str) -> float:
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    argv += ["-W", "ignore::UserWarning", f"--world-start={method}", str(module)]
+    return _timed(argv, module.parent)[0]
+
+
+def measure(repeats: int, examples: int) -> dict[str, dict[str, float]]:
+    """Median seconds of each case, by start method (and the torch import under "import")."""
+    rows: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp)
+        worlds = where / "worlds.py"
+        worlds.write_text(_WORLDS)
+        module = where / "test_ten.py"
+        module.write_text(_MODULE.format(tests="".join(_TEST.format(i=i) for i in range(10))))
+        few, many = where / "test_few.py", where / "test_many.py"
+        few.write_text(_EXAMPLES.format(n=1))
+        many.write_text(_EXAMPLES.format(n=1 + examples))
+        imports = [
+            _timed([sys.executable, "-c", "import torch, torch.distributed"], where)[0]
+            for _ in range(repeats)
+        ]
+        rows["import"] = {"torch import": statistics.median(imports)}
+        for method in METHODS:
+            firsts, laters, tens, per_example = [], [], [], []
+            for _ in range(repeats):
+                first, later = map(
+                    float, _timed([sys.executable, str(worlds), method], where)[1].split()
+                )
+                firsts.append(first)
+                laters.append(later)
+                tens.append(_pytest(module, method))
+                per_example.append((_pytest(many, method) - _pytest(few, method)) / examples)
+            rows[method] = {
+                "first world": statistics.median(firsts),
+                "later world": statistics.median(laters),
+                "module of 10 tests": statistics.median(tens),
+                "hypothesis example": statistics.median(per_example),
+            }
+    return rows
+
+
+def table(rows: dict[str, dict[str, float]]) -> str:
+    """The markdown table: seconds and the ratio to one torch import, per method."""
+    base = rows["import"]["torch import"]
+    lines = [
+        f"One `import torch, torch.distributed` in a fresh interpreter: {base:.2f} s.",
+        "",
+        "| case | " + " | ".join(METHODS) + " |",
+        "|---|" + "---:|" * len(METHODS),
+    ]
+    for case in rows[METHODS[0]]:
+        cells = [f"{rows[m][case]:.3f} s (x{rows[m][case] / base:.3f})" for m in METHODS]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one repetition, 10 examples")
+    options = parser.parse_args(argv)
+    repeats, examples = (1, 10) if options.quick else (3, 100)
+    print(textwrap.dedent(table(measure(repeats, examples))))
+
+
+if __name__ == "__main__":
+    main()
