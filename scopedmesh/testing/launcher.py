@@ -36,7 +36,7 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from scopedmesh.testing.world import START_METHODS
+from scopedmesh.testing.world import START_METHODS, WARM_MODULES
 
 __all__ = ["START_METHODS", "WorldError", "free_port", "run_world", "world_context"]
 
@@ -45,19 +45,6 @@ T = TypeVar("T")
 # How long to wait for a child to go after SIGTERM before SIGKILL, and after SIGKILL.
 _TERM_WAIT = 2.0
 _KILL_WAIT = 5.0
-
-# What the fork server imports before it forks its first rank (a module that is not
-# installed is skipped): torch and scopedmesh, plus what a rank needs to load a test
-# module (pytest's assertion rewriting, hypothesis).
-WARM_MODULES = (
-    "torch",
-    "torch.distributed",
-    "scopedmesh",
-    "scopedmesh.testing.launcher",
-    "scopedmesh.testing.world",
-    "_pytest.assertion.rewrite",
-    "hypothesis",
-)
 
 
 def world_context(start_method: str = "forkserver") -> ForkServerContext | SpawnContext:

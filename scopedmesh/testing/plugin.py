@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,6 +59,7 @@ from scopedmesh.testing.world import (
     WorldSpec,
     WorldTask,
     spec_from_marker,
+    start_fork_server,
 )
 
 __all__ = ["mesh", "world"]
@@ -87,6 +89,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="how @pytest.mark.world ranks start: forked from a warm server that has "
         "imported torch (forkserver, the default) or as new interpreters (spawn)",
     )
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
+    """Start the fork server as soon as a test file that mentions the marker is found.
+
+    The server's torch import then overlaps pytest's own import of the test
+    modules. A file that only mentions the marker starts a server no test uses
+    (harmless); one that builds the marker some other way just starts it later.
+    """
+    if file_path.suffix != ".py":
+        return
+    if parent.config.getoption("world_start", "forkserver") != "forkserver":
+        return
+    try:
+        mentions = "mark.world" in file_path.read_text(errors="ignore")
+    except OSError:
+        return
+    if mentions:
+        start_fork_server()
 
 
 def pytest_configure(config: pytest.Config) -> None:

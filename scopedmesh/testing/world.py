@@ -32,17 +32,44 @@ if TYPE_CHECKING:
 
 __all__ = [
     "START_METHODS",
+    "WARM_MODULES",
     "FixtureSlot",
     "WorldRank",
     "WorldSpec",
     "WorldTask",
     "run_task",
     "spec_from_marker",
+    "start_fork_server",
 ]
 
 DEFAULT_TIMEOUT = 120.0
 # How a world's ranks start: forked from a warm server, or spawned as new interpreters.
 START_METHODS = ("forkserver", "spawn")
+# What the fork server imports before it forks its first rank (a module that is not
+# installed is skipped): torch and scopedmesh, plus what a rank needs to load a test
+# module (pytest's assertion rewriting, hypothesis).
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "scopedmesh",
+    "scopedmesh.testing.launcher",
+    "scopedmesh.testing.world",
+    "_pytest.assertion.rewrite",
+    "hypothesis",
+)
+
+
+def start_fork_server() -> None:
+    """Start the warm server that world ranks fork from, if it is not running; do not wait.
+
+    Its imports (:data:`WARM_MODULES`) then run while the caller goes on, for
+    example while pytest imports the test modules. Idempotent.
+    """
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WARM_MODULES))
+    multiprocessing.forkserver.ensure_running()
 
 
 @dataclass(frozen=True)
