@@ -2,6 +2,7 @@
 
     python -m benchmarks.worlds            # the table below, as markdown
     python -m benchmarks.worlds --quick    # one repetition, 10 hypothesis examples
+    python -m benchmarks.worlds --leaks 200  # the pytest process's footprint over 200 world tests
 
 Every figure is a wall time on this machine, reported beside the ratio to one
 fresh ``python -c "import torch, torch.distributed"`` measured in the same run,
@@ -18,6 +19,12 @@ so that the table compares ways, not machines:
   each of ``N`` examples; the mean gap between stamps.
 
 Each case runs in its own subprocess; nothing here is asserted.
+
+``--leaks N`` runs one pytest session of N ``world(2)`` tests (each an
+``all_reduce``; among them one that kills a rank, one that destroys WORLD and
+one that leaves a group undestroyed) and prints the pytest process's open file
+descriptors, child processes, ``/dev/shm`` entries and RSS after the first test
+and after the last.
 """
 
 from __future__ import annotations
@@ -83,6 +90,70 @@ def test_sum(world, x):
     dist.all_reduce(t)
     assert t.item() == 4 * x + 6
 """
+
+
+_LEAK_MODULE = """
+import os
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.world(2)
+def test_kill_a_rank(world):
+    if world.rank == 1:
+        os._exit(9)
+    dist.barrier()
+
+@pytest.mark.world(2)
+def test_destroy_world(world):
+    dist.destroy_process_group()
+
+@pytest.mark.world(2)
+def test_leave_a_group_undestroyed(world):
+    dist.barrier(group=dist.new_group([0, 1]))
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("i", range({n}))
+def test_all_reduce(world, i):
+    t = torch.tensor([float(world.rank)])
+    dist.all_reduce(t)
+    assert t.item() == 1.0
+"""
+
+_LEAK_CONFTEST = """
+import json, os
+
+FOOTPRINTS = []
+
+def _footprint():
+    pid = os.getpid()
+    children = open(f"/proc/{{pid}}/task/{{pid}}/children").read().split()
+    rss = [l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]
+    return {{"fds": len(os.listdir("/proc/self/fd")), "children": len(children),
+            "shm": len(os.listdir("/dev/shm")), "rss_kib": int(rss)}}
+
+def pytest_runtest_logfinish(nodeid, location):
+    FOOTPRINTS.append(_footprint())
+
+def pytest_sessionfinish(session, exitstatus):
+    with open({out!r}, "w") as f:
+        json.dump({{"first": FOOTPRINTS[0], "last": FOOTPRINTS[-1], "tests": len(FOOTPRINTS)}}, f)
+"""
+
+
+def leaks(n: int) -> dict[str, object]:
+    """The pytest process's footprint after the first and the last of ``n`` world tests."""
+    import json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp)
+        out = where / "footprint.json"
+        (where / "test_leaks.py").write_text(_LEAK_MODULE.format(n=n - 3))
+        (where / "conftest.py").write_text(_LEAK_CONFTEST.format(out=str(out)))
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        argv += ["-W", "ignore::UserWarning", "test_leaks.py"]
+        proc = subprocess.run(argv, cwd=where, capture_output=True, text=True, timeout=3600)
+        result: dict[str, object] = json.loads(out.read_text())
+        result["summary"] = proc.stdout.strip().splitlines()[-1]
+        return result
 
 
 def _timed(argv: list[str], cwd: Path) -> tuple[float, str]:
@@ -157,7 +228,11 @@ def table(rows: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one repetition, 10 examples")
+    parser.add_argument("--leaks", type=int, metavar="N", help="footprint over N world tests")
     options = parser.parse_args(argv)
+    if options.leaks is not None:
+        print(leaks(options.leaks))
+        return
     repeats, examples = (1, 10) if options.quick else (3, 100)
     print(textwrap.dedent(table(measure(repeats, examples))))
 
