@@ -36,7 +36,7 @@ BACKEND = "scopedmesh_gloo"
 # Every operation of ``ProcessGroup`` that moves data, synchronises or reaches the
 # backend, under each name some torch release uses for it (Python callers use the
 # bound names; the C++ trampoline looks the newer ones up, then the older ones).
-# Names this torch lacks are skipped; ``tests/test_closable.py`` checks that every
+# Names this torch lacks are skipped; ``tests/unit/test_closable.py`` checks that every
 # operation this torch has is here.
 FORWARDED = (
     "_allgather_base",

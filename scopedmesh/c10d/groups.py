@@ -342,7 +342,7 @@ def incarnation_keys(name: str, size: int, backend: str) -> list[str]:
     gloo: each member's address under ``<name>//cpu//0/<group rank>`` (torch 2.13,
     one device; none under ``TORCH_GLOO_LAZY_INIT=1``); the formation barrier:
     ``<name>/formed`` and ``<name>/all-formed``.
-    ``tests/test_heal.py`` pins the layout: after formation no key of the
+    ``tests/world/test_heal.py`` pins the layout: after formation no key of the
     incarnation is left.
 
     >>> incarnation_keys("g-1", 2, "gloo")

@@ -61,7 +61,7 @@ class ProcessGroupMesh:
     first, sub-meshes and views, groups destroyed behind the mesh's back, the
     ``ResourceWarning`` of a mesh dropped while open).
 
-    THREADS (tested in ``tests/test_threads.py``). A mesh and its sub-meshes may
+    THREADS (tested in ``tests/world/test_threads.py``). A mesh and its sub-meshes may
     be used from several threads: group requests, ``submesh``, slicing and
     ``close()`` take one per-mesh lock, so threads that ask for the same group
     get the same object, made once. The lock holds while a group forms, so a

@@ -64,7 +64,7 @@ def total(group: dist.ProcessGroup, device: torch.device) -> int:
 
 
 def mesh_world(rank: int, world_size: int, backend: str, bound: bool) -> dict[str, Any]:
-    """Membership, close, kept handles and re-creation (mirrors tests/test_mesh.py)."""
+    """Membership, close, kept handles and re-creation (mirrors tests/world/test_mesh.py)."""
     device = device_for(backend, rank)
     if bound:
         rebind_world(rank, world_size, device)
@@ -89,7 +89,7 @@ def mesh_world(rank: int, world_size: int, backend: str, bound: bool) -> dict[st
         out["kept_handle"] = type(error).__name__
     # WORLD is untouched (mirrors test_world_untouched).
     out["world_sum"] = total(dist.group.WORLD, device)  # type: ignore[arg-type]
-    # Mirrors the re-creation hazard pins (tests/test_c10d.py): open/close cycles, one rank late.
+    # Mirrors the re-creation hazard pins (tests/world/test_c10d.py): open/close cycles, one rank late.
     sums = []
     for cycle in range(5):
         with ProcessGroupMesh(
@@ -103,7 +103,7 @@ def mesh_world(rank: int, world_size: int, backend: str, bound: bool) -> dict[st
 
 
 def interop_world(rank: int, world_size: int, backend: str) -> dict[str, Any]:
-    """DTensor, TP and FSDP2 over the mesh's groups (mirrors tests/test_interop.py)."""
+    """DTensor, TP and FSDP2 over the mesh's groups (mirrors tests/world/test_interop.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -147,7 +147,7 @@ def interop_world(rank: int, world_size: int, backend: str) -> dict[str, Any]:
 
 
 def heal_world(rank: int, world_size: int, backend: str) -> dict[str, Any] | None:
-    """One rank exits cleanly; the survivors agree and train on (mirrors tests/test_heal.py)."""
+    """One rank exits cleanly; the survivors agree and train on (mirrors tests/world/test_heal.py)."""
     device = device_for(backend, rank)
     gone = world_size - 1
     mesh = ProcessGroupMesh(
@@ -169,7 +169,7 @@ def heal_world(rank: int, world_size: int, backend: str) -> dict[str, Any] | Non
 
 
 def nodes_world(rank: int, world_size: int, backend: str) -> dict[str, Any]:
-    """node_aware_mesh on NCCL: tp inside a node (mirrors tests/test_nodes.py)."""
+    """node_aware_mesh on NCCL: tp inside a node (mirrors tests/world/test_nodes.py)."""
     device = device_for(backend, rank)
     with node_aware_mesh(
         world_size // 2, 2, names=("dp", "tp"), intra_node="tp", backend=backend, timeout=TIMEOUT
