@@ -36,6 +36,7 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
+from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.testing.world import START_METHODS, WARM_MODULES
 
 __all__ = ["START_METHODS", "WorldError", "free_port", "run_world", "world_context"]
@@ -205,13 +206,12 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"its process exited with code {exitcode}"
 
 
-def _check_positive(name: str, value: object, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
-    return float(value)
+def _check_grace(grace: object) -> float:
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+        raise TypeError(f"grace must be a number of seconds, got {type(grace).__name__}")
+    if not math.isfinite(grace) or grace < 0:
+        raise ValueError(f"grace must be finite and >= 0, got {grace!r}")
+    return float(grace)
 
 
 def _validate(
@@ -311,9 +311,9 @@ def run_world(
     ValueError: world_size must be >= 1, got 0
     """
     env_dict, allowed = _validate(fn, world_size, args, backend, env, allow_exit)
-    timeout = _check_positive("timeout", timeout)
-    init_timeout = _check_positive("init_timeout", init_timeout)
-    grace = _check_positive("grace", grace, allow_zero=True)
+    timeout = check_timeout(timeout, "timeout").total_seconds()
+    init_timeout = check_timeout(init_timeout, "init_timeout").total_seconds()
+    grace = _check_grace(grace)
 
     ctx = world_context(start_method)
     caller_env = dict(os.environ)

@@ -303,7 +303,7 @@ def fake_pair() -> Iterator[None]:
 @pytest.mark.usefixtures("fake_pair")
 @pytest.mark.parametrize("value", BAD_TIMEOUTS, ids=repr)
 def test_every_public_timeout_gets_the_same_answer(value: object) -> None:
-    """The mesh, from_layout, world_nodes, node_aware_mesh and agree_on_lost share one check."""
+    """The mesh, from_layout, world_nodes, node_aware_mesh, agree_on_lost and run_world share one check."""
     from scopedmesh import ProcessGroupMesh
     from scopedmesh.c10d.checks import check_timeout
     from scopedmesh.heal import agree_on_lost
@@ -319,6 +319,7 @@ def test_every_public_timeout_gets_the_same_answer(value: object) -> None:
         "world_nodes": lambda: world_nodes(source="hostname", timeout=value),  # type: ignore[arg-type]
         "node_aware_mesh": lambda: node_aware_mesh(2, intra_node=0, nodes=[0, 0], timeout=value),  # type: ignore[arg-type]
         "agree_on_lost": lambda: agree_on_lost([0, 1], 0, tag="t", timeout=value),  # type: ignore[arg-type]
+        "run_world": lambda: run_world(print, 2, timeout=value),  # type: ignore[arg-type]
     }
     for name, call in entries.items():
         with pytest.raises(kind) as caught:
