@@ -18,7 +18,7 @@ def world_size() -> int:
     return max(2, workers.gpus() - workers.gpus() % 2)
 
 
-def check_mesh(results: list[dict[str, Any]]) -> None:
+def check_mesh(results: list[dict[str, Any]], kept_handle_fails: bool = True) -> None:
     n = len(results)
     for rank, f in enumerate(results):
         pair = rank - rank % 2
@@ -26,7 +26,7 @@ def check_mesh(results: list[dict[str, Any]]) -> None:
         assert f["dp_sum"] == sum(range(rank % 2, n, 2))
         assert f["tp_ranks"] == [pair, pair + 1]
         assert f["close_seconds"] < 30.0  # a never-hang bound, not a speed claim
-        assert f["kept_handle"] != "worked"
+        assert (f["kept_handle"] != "worked") is kept_handle_fails
         assert f["world_sum"] == n * (n - 1) // 2
         assert f["cycle_sums"] == [pair + pair + 1] * 5
 
@@ -70,5 +70,12 @@ def test_nccl_node_aware_mesh() -> None:
 
 
 def test_cpu_dry_run_of_the_mesh_checks() -> None:
-    """The NCCL suite's rank code on gloo (CPU): its assertions hold where they can run."""
-    check_mesh(run_world(workers.mesh_world, 4, args=("gloo", True), timeout=300))
+    """The NCCL suite's rank code on gloo (CPU): its assertions hold where they can run.
+
+    A kept gloo handle fails after close where this torch lets gloo groups be
+    closable (from 2.12); before that it still works, as torch's own would.
+    """
+    from scopedmesh.c10d import closable
+
+    results = run_world(workers.mesh_world, 4, args=("gloo", True), timeout=300)
+    check_mesh(results, kept_handle_fails=closable.supported())
