@@ -21,7 +21,7 @@ opened before the test and closed after it. Other fixtures are made once in the
 pytest process and their values pickled to every rank.
 
 ``reuse=True`` (opt-in) keeps one world per test module and size: later tests
-of the module skip the ~10 s of imports and rendezvous. It is safe for tests
+of the module skip the fork and the rendezvous. It is safe for tests
 that leave the world as they found it (groups made through ``with`` meshes,
 WORLD not destroyed); a test that fails, hangs or destroys WORLD ends that
 world and the next test starts a fresh one.

@@ -1,8 +1,8 @@
 """A local world that stays up between tests: :class:`ReusedWorld`.
 
 The pytest plugin keeps one per test module when a test asks for
-``@pytest.mark.world(N, reuse=True)``, so the ranks pay torch's import and the
-rendezvous once. Each rank serves tests one at a time. A test that fails on any
+``@pytest.mark.world(N, reuse=True)``, so the ranks start and meet (the
+rendezvous) once. Each rank serves tests one at a time. A test that fails on any
 rank, hangs past its timeout, or destroys the default group ends the world (all
 its processes are stopped); the next test starts a new one. ``close()`` sends
 every rank a stop message, then terminates whatever is still alive.
