@@ -261,6 +261,7 @@ def test_marker_is_registered_and_loading_the_plugin_leaves_torch_out(
 HYPOTHESIS_TESTS = """
 import json
 from hypothesis import Phase, example, given, settings, strategies as hs
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 
 def seen(name, rank, value):
@@ -283,7 +284,8 @@ def test_lockstep(world, x, shape):
         assert t.item() == len(ranks) * x + sum(ranks)
 
 
-@settings(max_examples=40, deadline=None)
+# An explicit database: hypothesis's "ci" profile (loaded where CI is set) has none.
+@settings(max_examples=40, deadline=None, database=DirectoryBasedExampleDatabase(PIDS / "db"))
 @given(x=hs.integers(0, 1000))
 @pytest.mark.world(4)
 def test_fails_on_rank_1_from_17(world, x):
