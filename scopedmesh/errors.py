@@ -76,3 +76,12 @@ def shown(value: object) -> str:
     '[[[[...]]]]'
     """
     return _SHOWN.repr(value)
+
+
+def clipped(text: str, limit: int = 200) -> str:
+    """``text`` for an error message, cut to ``limit`` characters (for words a user typed).
+
+    >>> clipped("dp tp"), clipped("x" * 300)[-3:], len(clipped("x" * 300))
+    ('dp tp', 'xx…', 200)
+    """
+    return text if len(text) <= limit else text[: limit - 1] + "…"

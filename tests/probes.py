@@ -1,4 +1,5 @@
-"""Probes the tests share, whatever their folder: what torch was asked to build, what a call raised.
+"""Probes the tests share, whatever their folder: what torch was asked to build, what a call raised,
+and the nasty arguments the fuzz tests throw at every public entry.
 
 ``record_new_groups`` wraps torch's private group constructor (where ``new_group``
 ends), so a test can count the groups a mesh formed and see their members.
@@ -56,3 +57,55 @@ def error_text(call: Callable[[], object]) -> str | None:
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def _self_containing() -> list[Any]:
+    looped: list[Any] = [1]
+    looped.append(looped)
+    return looped
+
+
+def _deep(depth: int) -> list[Any]:
+    value: list[Any] = [0]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def nasty_values() -> list[Any]:
+    """Arguments no caller should pass: huge, non-finite, wrong-typed, nested, self-containing (fresh each call)."""
+    return [
+        None,
+        True,
+        2.0,
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        10**100,
+        -(10**100),
+        2**63,
+        -1,
+        0,
+        "",
+        "x" * 1_000_000,
+        "\x00",
+        "\udcff",
+        b"dp",
+        object(),
+        {},
+        {"dp": 1},
+        set(),
+        {1, 2},
+        [],
+        [[1, [2]]],
+        [10**100, 2],
+        (2, float("nan")),
+        (x for x in range(3)),
+        _self_containing(),
+        _deep(10_000),
+        [None] * 3,
+        ["dp", "dp"],
+        range(10**6),
+        slice(None),
+        Ellipsis,
+    ]

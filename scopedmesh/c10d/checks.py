@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from scopedmesh.c10d.groups import unusable_backend
+from scopedmesh.errors import shown
 
 __all__ = ["MAX_TIMEOUT", "check_backend", "check_timeout"]
 
@@ -24,13 +25,13 @@ def check_backend(backend: object, argument: str) -> str | None:
         return None
     if not isinstance(backend, str) or not backend:
         raise TypeError(
-            f"{argument} must be a backend name such as 'gloo' or 'nccl', got {backend!r}"
+            f"{argument} must be a backend name such as 'gloo' or 'nccl', got {shown(backend)}"
         )
     try:
         name = str(dist.Backend(backend))
     except ValueError:
         raise ValueError(
-            f"{argument} {backend!r} is not a torch.distributed backend; "
+            f"{argument} {shown(backend)} is not a torch.distributed backend; "
             "use e.g. 'gloo', 'nccl' or 'fake'"
         ) from None
     # dist.Backend() takes any name; an unknown or unbuilt one fails later, inside torch.
@@ -39,12 +40,12 @@ def check_backend(backend: object, argument: str) -> str | None:
     ]
     if missing:
         raise ValueError(
-            f"{argument} {backend!r} is not available in this torch build ({missing[0]!r} is "
+            f"{argument} {shown(backend)} is not available in this torch build ({shown(missing[0])} is "
             "unknown or not compiled in); use e.g. 'gloo', or 'nccl' on a CUDA build"
         )
     problem = unusable_backend(name)
     if problem is not None:  # e.g. NCCL in a CUDA build on a host without a GPU
-        raise ValueError(f"{argument} {backend!r} cannot form a group on this host: {problem}")
+        raise ValueError(f"{argument} {shown(backend)} cannot form a group on this host: {problem}")
     return name
 
 
@@ -65,20 +66,22 @@ def check_timeout(timeout: object, argument: str = "timeout") -> timedelta:
         result = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         if isinstance(timeout, float) and not math.isfinite(timeout):
-            raise ValueError(f"{argument} must be a finite number of seconds, got {timeout!r}")
+            raise ValueError(f"{argument} must be a finite number of seconds, got {shown(timeout)}")
         if timeout <= 0:
-            raise ValueError(f"{argument} must be positive, got {timeout!r}")
+            raise ValueError(f"{argument} must be positive, got {shown(timeout)}")
         try:
             result = timedelta(seconds=timeout)
         except OverflowError:  # more days than timedelta holds
             result = timedelta.max
     else:
-        raise TypeError(f"{argument} must be a timedelta or a number of seconds, got {timeout!r}")
+        raise TypeError(
+            f"{argument} must be a timedelta or a number of seconds, got {shown(timeout)}"
+        )
     if result <= timedelta(0):  # a negative timedelta, or seconds below a microsecond
-        raise ValueError(f"{argument} must be positive, got {timeout!r}")
+        raise ValueError(f"{argument} must be positive, got {shown(timeout)}")
     if result > MAX_TIMEOUT:
         raise ValueError(
             f"{argument} must be at most {MAX_TIMEOUT} (torch counts it in int64 microseconds), "
-            f"got {timeout!r}"
+            f"got {shown(timeout)}"
         )
     return result

@@ -13,6 +13,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 
 __all__ = ["build_device_mesh"]
@@ -36,7 +37,9 @@ def build_device_mesh(
     otherwise members ascend, and an axis whose ranks do not is refused.
     """
     if not isinstance(device_type, str) or not device_type:
-        raise TypeError(f"device_type must be a device name such as 'cpu', got {device_type!r}")
+        raise TypeError(
+            f"device_type must be a device name such as 'cpu', got {shown(device_type)}"
+        )
     chosen = tuple(range(layout.ndim)) if axes is None else layout.axes_indices(axes)
     sub = layout.sub(coord, chosen)
     ranks = torch.tensor(sub.ranks, dtype=torch.int).reshape(sub.shape)

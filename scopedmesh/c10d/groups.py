@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from scopedmesh.c10d.names import RankMap, canonical_ranks, group_name
+from scopedmesh.errors import shown
 
 __all__ = [
     "RankMap",
@@ -198,7 +199,7 @@ def new_member_group(
         return None
     problem = unusable_backend(str(backend))
     if problem is not None:  # torch's own failure would read like a formation failure
-        raise ValueError(f"backend {backend!r} cannot form a group on this host: {problem}")
+        raise ValueError(f"backend {shown(backend)} cannot form a group on this host: {problem}")
     default_pg = c10d._get_default_group()
     if not keeps_member_order():
         warnings.warn(FALLBACK_WARNING, RuntimeWarning, stacklevel=3)

@@ -48,7 +48,7 @@ def infer_shape(shape: object, count: int | None) -> tuple[int, ...]:
     unknown = [i for i, n in enumerate(dims) if n == -1]
     bad = [n for n in dims if n < 1 and n != -1]
     if bad or len(unknown) > 1:
-        raise ValueError(f"shape must hold positive ints and at most one -1, got {dims}")
+        raise ValueError(f"shape must hold positive ints and at most one -1, got {shown(dims)}")
     if not unknown:
         return dims
     if count is None:

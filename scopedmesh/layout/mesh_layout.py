@@ -80,9 +80,9 @@ class MeshLayout:
             table = int_sequence(ranks, "ranks")
             count, offset, step = len(table), 0, 1
             if any(r < 0 for r in table):
-                raise ValueError(f"ranks must be non-negative, got {list(table)}")
+                raise ValueError(f"ranks must be non-negative, got {shown(list(table))}")
             if len(set(table)) != len(table):
-                raise ValueError(f"ranks must be distinct, got {list(table)}")
+                raise ValueError(f"ranks must be distinct, got {shown(list(table))}")
             if table == tuple(range(len(table))):
                 table = None
         dims = infer_shape(shape, count)
@@ -280,7 +280,7 @@ class MeshLayout:
         values = int_sequence(coord, argument)
         if len(values) != self.ndim:
             raise ValueError(
-                f"{argument} must have {self.ndim} entries for shape {self._shape}, got {values}"
+                f"{argument} must have {self.ndim} entries for shape {self._shape}, got {shown(values)}"
             )
         for c, n in zip(values, self._shape):
             if not 0 <= c < n:
@@ -482,7 +482,7 @@ class MeshLayout:
                 normalised = tuple(v % n for v in values)
                 if len(set(normalised)) != len(normalised):
                     raise ValueError(
-                        f"indices for axis {self.axis_name(a)!r} must be distinct, got {values}"
+                        f"indices for axis {self.axis_name(a)!r} must be distinct, got {shown(values)}"
                     )
                 per_axis.append(normalised)
         order = sorted(range(len(chosen)), key=lambda k: chosen[k])

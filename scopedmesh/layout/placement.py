@@ -87,7 +87,7 @@ def node_aware_ranks(
     sizes = shape if isinstance(shape, Sequence) and all(is_int(n) for n in shape) else None
     if sizes is not None and -1 not in sizes and math.prod(sizes) != len(numbers):
         raise ValueError(
-            f"shape {tuple(sizes)} holds {math.prod(sizes)} ranks but nodes lists "
+            f"shape {shown(tuple(sizes))} holds {math.prod(sizes)} ranks but nodes lists "
             f"{len(numbers)} ranks"
         )
     layout = MeshLayout(shape, names, range(len(numbers)))

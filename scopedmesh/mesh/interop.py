@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
@@ -46,7 +47,7 @@ def to_device_mesh(
     >>> dist.destroy_process_group()
     """
     if not isinstance(mesh, ProcessGroupMesh):
-        raise TypeError(f"mesh must be a ProcessGroupMesh, got {mesh!r}")
+        raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
     return mesh.to_device_mesh(device_type, axes)
 
 
@@ -56,6 +57,6 @@ def layout_of(device_mesh: DeviceMesh) -> MeshLayout:
     Useful to compare a DeviceMesh with a mesh: ``layout_of(dm) == mesh.layout``.
     """
     if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a torch DeviceMesh, got {device_mesh!r}")
+        raise TypeError(f"device_mesh must be a torch DeviceMesh, got {shown(device_mesh)}")
     ranks = device_mesh.mesh.flatten().tolist()
     return MeshLayout(tuple(device_mesh.mesh.shape), device_mesh.mesh_dim_names, ranks)

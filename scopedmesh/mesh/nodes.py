@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.errors import shown
 from scopedmesh.layout import Axes, MeshLayout
 from scopedmesh.layout.placement import node_aware_ranks, node_numbers, nodes_from_env
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
@@ -53,7 +54,7 @@ def world_nodes(
     waited for. ``"auto"`` uses the environment under torchrun, else host names.
     """
     if source not in ("auto", "env", "hostname"):
-        raise ValueError(f"source must be 'auto', 'env' or 'hostname', got {source!r}")
+        raise ValueError(f"source must be 'auto', 'env' or 'hostname', got {shown(source)}")
     if not dist.is_initialized():
         raise RuntimeError(
             "world_nodes needs torch.distributed: call torch.distributed.init_process_group() first"
@@ -83,12 +84,17 @@ def _gather_hosts(host: str | None, wait: timedelta, rank: int, world: int) -> l
     """Every rank's host name, by one all-gather of fixed-size byte tensors over WORLD."""
     name = socket.gethostname() if host is None else host
     if not isinstance(name, str):
-        raise TypeError(f"host must be a string, got {name!r}")
+        raise TypeError(f"host must be a string, got {shown(name)}")
     if not name:
         raise ValueError("host must be a non-empty string, got ''")
-    data = name.encode()
+    if "\x00" in name:  # the all-gather pads with NUL bytes: a NUL would cut the name short
+        raise ValueError(f"host must not contain a NUL character, got {shown(name)}")
+    try:
+        data = name.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"host must be encodable as UTF-8, got {shown(name)}") from None
     if len(data) >= HOST_BYTES:
-        raise ValueError(f"host must be under {HOST_BYTES} bytes, got {len(data)}: {name!r}")
+        raise ValueError(f"host must be under {HOST_BYTES} bytes, got {len(data)}: {shown(name)}")
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":  # nccl moves only GPU tensors
         device = torch.device("cuda", torch.cuda.current_device())
@@ -143,7 +149,7 @@ def node_aware_mesh(
     if isinstance(nodes, str):
         if nodes not in ("auto", "env", "hostname"):
             raise ValueError(
-                f"nodes must be 'auto', 'env', 'hostname' or a node label per rank, got {nodes!r}"
+                f"nodes must be 'auto', 'env', 'hostname' or a node label per rank, got {shown(nodes)}"
             )
         labels: Sequence[Hashable] = world_nodes(source=nodes, host=host, timeout=timeout)  # type: ignore[arg-type]
     else:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_backend, check_timeout
 from scopedmesh.c10d.names import group_description
+from scopedmesh.errors import shown
 from scopedmesh.layout import Axes, Axis, MeshLayout
 from scopedmesh.layout import colossal as _seed
 from scopedmesh.mesh.group_table import Entry, GroupTable
@@ -141,9 +142,9 @@ class ProcessGroupMesh:
         """
         _require_world()
         if not isinstance(layout, MeshLayout):
-            raise TypeError(f"layout must be a MeshLayout, got {layout!r}")
+            raise TypeError(f"layout must be a MeshLayout, got {shown(layout)}")
         if not layout.ndim:
-            raise ValueError(f"layout must have at least one axis, got {layout!r}")
+            raise ValueError(f"layout must have at least one axis, got {shown(layout)}")
         _check_eager(eager)
         every = layout.compact_group((0,) * layout.ndim, tuple(range(layout.ndim)))
         _check_in_world(every[-1])  # ascending: the largest rank, O(ndim) for a range
@@ -397,7 +398,7 @@ class ProcessGroupMesh:
     def get_ranks_in_group(self, group: dist.ProcessGroup) -> list[int]:
         """The global ranks of ``group``, in group-rank order."""
         if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a ProcessGroup, got {group!r}")
+            raise TypeError(f"group must be a ProcessGroup, got {shown(group)}")
         return dist.get_process_group_ranks(group)
 
     def _get_group(
@@ -579,7 +580,7 @@ def _require_world() -> None:
 
 def _check_eager(eager: object) -> None:
     if not isinstance(eager, bool):
-        raise TypeError(f"eager must be a bool, got {eager!r}")
+        raise TypeError(f"eager must be a bool, got {shown(eager)}")
 
 
 def _check_in_world(largest: int) -> None:

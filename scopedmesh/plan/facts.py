@@ -46,7 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scopedmesh.errors import shown
+from scopedmesh.errors import clipped, shown
 from scopedmesh.layout.mesh_layout import MeshLayout
 from scopedmesh.plan.arithmetic import group_coord, members, nested, nth, residues, spans
 
@@ -241,9 +241,9 @@ def make_plan(
 def _resolve_shape(shape: Sequence[int], world: int | None) -> tuple[int, ...]:
     text = " ".join(map(shown, shape))
     if any(n < 1 and n != -1 for n in shape):
-        raise ValueError(f"axis sizes must be positive (or a single -1), got {text}")
+        raise ValueError(f"axis sizes must be positive (or a single -1), got {clipped(text)}")
     if list(shape).count(-1) > 1:
-        raise ValueError(f"only one axis size may be -1, got {text}")
+        raise ValueError(f"only one axis size may be -1, got {clipped(text)}")
     if world is not None and world < 1:
         raise ValueError(f"--world must be positive, got {world}")
     known = math.prod(n for n in shape if n != -1)
@@ -273,7 +273,7 @@ def _check_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | No
         if not name or "," in name:
             raise ValueError(f"--names must be non-empty and without ',', got {shown(name)}")
     if len(set(result)) != len(result):
-        raise ValueError(f"--names must be distinct, got {' '.join(result)}")
+        raise ValueError(f"--names must be distinct, got {clipped(' '.join(result))}")
     return result
 
 
@@ -287,7 +287,9 @@ def _axis_set(layout: MeshLayout, labels: tuple[str, ...], spec: str) -> tuple[i
             items.append(int(token))
         else:
             known = ", ".join(labels)
-            raise ValueError(f"unknown axis {shown(token)} in --axis {spec}; the axes are {known}")
+            raise ValueError(
+                f"unknown axis {shown(token)} in --axis {clipped(spec)}; the axes are {clipped(known)}"
+            )
     return tuple(sorted(layout.axes_indices(items, argument="--axis")))
 
 

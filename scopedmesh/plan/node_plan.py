@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scopedmesh.errors import shown
+from scopedmesh.errors import clipped, shown
 from scopedmesh.layout.mesh_layout import MeshLayout
 from scopedmesh.layout.placement import node_aware_ranks
 from scopedmesh.plan.arithmetic import nested
@@ -124,10 +124,10 @@ def make_node_plan(layout: MeshLayout, spec: str, nproc: int | None) -> NodePlan
         else:
             known = ", ".join(labels)
             raise ValueError(
-                f"unknown axis {shown(token)} in --intra-node {spec}; the axes are {known}"
+                f"unknown axis {shown(token)} in --intra-node {clipped(spec)}; the axes are {clipped(known)}"
             )
     if len(set(intra)) != len(intra):
-        raise ValueError(f"--intra-node must name distinct axes, got {spec}")
+        raise ValueError(f"--intra-node must name distinct axes, got {clipped(spec)}")
     if layout.size % nproc:
         raise ValueError(
             f"--intra-node needs whole nodes: {layout.size} ranks is not a multiple of "

@@ -36,7 +36,8 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.c10d.checks import check_backend, check_timeout
+from scopedmesh.errors import shown
 from scopedmesh.testing.world import START_METHODS, WARM_MODULES
 
 __all__ = ["START_METHODS", "WorldError", "free_port", "run_world", "world_context"]
@@ -46,6 +47,8 @@ T = TypeVar("T")
 # How long to wait for a child to go after SIGTERM before SIGKILL, and after SIGKILL.
 _TERM_WAIT = 2.0
 _KILL_WAIT = 5.0
+# A local world is one process per rank on this host: beyond this it is a mistake, not a test.
+MAX_WORLD_SIZE = 1024
 
 
 def world_context(start_method: str = "forkserver") -> ForkServerContext | SpawnContext:
@@ -65,7 +68,7 @@ def world_context(start_method: str = "forkserver") -> ForkServerContext | Spawn
     if not isinstance(start_method, str):
         raise TypeError(f"start_method must be a str, got {type(start_method).__name__}")
     if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {shown(start_method)}")
     if start_method == "spawn":
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
@@ -210,7 +213,7 @@ def _check_grace(grace: object) -> float:
     if isinstance(grace, bool) or not isinstance(grace, (int, float)):
         raise TypeError(f"grace must be a number of seconds, got {type(grace).__name__}")
     if not math.isfinite(grace) or grace < 0:
-        raise ValueError(f"grace must be finite and >= 0, got {grace!r}")
+        raise ValueError(f"grace must be finite and >= 0, got {shown(grace)}")
     return float(grace)
 
 
@@ -226,26 +229,30 @@ def _validate(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(
+            f"world_size must be 1 to {MAX_WORLD_SIZE} (one local process per rank), "
+            f"got {shown(world_size)}"
+        )
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-    if not isinstance(backend, str) or not backend:
-        raise TypeError(f"backend must be a non-empty str, got {backend!r}")
+    if backend is None:
+        raise TypeError("backend must be a backend name such as 'gloo', got None")
+    check_backend(backend, "backend")  # before any rank starts, not as a WorldError from each
     env_dict: dict[str, str] = {}
     if env is not None:
         if not isinstance(env, Mapping):
             raise TypeError(f"env must be a mapping of str to str, got {type(env).__name__}")
         for key, value in env.items():
             if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(f"env must map str to str, got {key!r}: {value!r}")
+                raise TypeError(f"env must map str to str, got {shown(key)}: {shown(value)}")
             env_dict[key] = value
     if isinstance(allow_exit, (str, bytes)) or not isinstance(allow_exit, Collection):
-        raise TypeError(f"allow_exit must be a collection of ranks, got {allow_exit!r}")
+        raise TypeError(f"allow_exit must be a collection of ranks, got {shown(allow_exit)}")
     allowed: set[int] = set()
     for r in allow_exit:
         if isinstance(r, bool) or not isinstance(r, int):
-            raise TypeError(f"allow_exit must hold int ranks, got {r!r}")
+            raise TypeError(f"allow_exit must hold int ranks, got {shown(r)}")
         if not 0 <= r < world_size:
             raise ValueError(f"allow_exit rank {r} is outside 0..{world_size - 1}")
         allowed.add(r)
@@ -308,7 +315,7 @@ def run_world(
     >>> run_world(print, 0)
     Traceback (most recent call last):
     ...
-    ValueError: world_size must be >= 1, got 0
+    ValueError: world_size must be 1 to 1024 (one local process per rank), got 0
     """
     env_dict, allowed = _validate(fn, world_size, args, backend, env, allow_exit)
     timeout = check_timeout(timeout, "timeout").total_seconds()

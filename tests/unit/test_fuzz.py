@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from probes import nasty_values
 
 from scopedmesh import MeshLayout, ProcessGroupMesh, node_aware_ranks, shrink
 from scopedmesh.layout.placement import node_numbers, nodes_from_env
@@ -33,56 +34,10 @@ from scopedmesh.testing.world import spec_from_marker
 
 ALLOWED = (TypeError, ValueError, KeyError, IndexError)
 SECONDS = 5  # a never-hang bound per call, not a speed claim
+MESSAGE_LIMIT = 5_000  # characters: a message shows a bad argument, never all of it
 
 
-def _self_containing() -> list[Any]:
-    looped: list[Any] = [1]
-    looped.append(looped)
-    return looped
-
-
-def _deep(depth: int) -> list[Any]:
-    value: list[Any] = [0]
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
-NASTY: list[Any] = [
-    None,
-    True,
-    2.0,
-    float("nan"),
-    float("inf"),
-    -float("inf"),
-    10**100,
-    -(10**100),
-    2**63,
-    -1,
-    0,
-    "",
-    "x" * 1_000_000,
-    "\x00",
-    "\udcff",
-    b"dp",
-    object(),
-    {},
-    {"dp": 1},
-    set(),
-    {1, 2},
-    [],
-    [[1, [2]]],
-    [10**100, 2],
-    (2, float("nan")),
-    (x for x in range(3)),
-    _self_containing(),
-    _deep(10_000),
-    [None] * 3,
-    ["dp", "dp"],
-    range(10**6),
-    slice(None),
-    Ellipsis,
-]
+NASTY = nasty_values()
 
 LAYOUT = MeshLayout((2, 2, 2), names=("dp", "pp", "tp"))
 PLAN = make_plan((2, 2), names=("dp", "tp"))
@@ -145,6 +100,7 @@ def outcome(label: str, call: Callable[[], Any]) -> str:
             call()
         except ALLOWED as error:
             assert str(error), f"{label}: {type(error).__name__} without a message"
+            assert len(str(error)) <= MESSAGE_LIMIT, f"{label}: {len(str(error))} characters"
             return type(error).__name__
         except Exception as error:  # the point of the test: name what escaped
             raise AssertionError(

@@ -290,3 +290,107 @@ def junk_strategy(st: Any) -> Any:
         st.dictionaries(st.sampled_from(["dp", "tp", 0, 1]), st.integers(-2, 3), max_size=2),
         st.sets(st.integers(0, 3), max_size=3),
     )
+
+
+# ====================================== the torch-backed free functions, nasty values
+
+MESSAGE_LIMIT = 5_000  # characters: an error message shows a bad argument, never all of it
+
+
+def _slots(args: list[Any], kwargs: dict[str, Any]) -> list[int | str]:
+    return [*range(len(args)), *kwargs]
+
+
+def fuzz_torch_entries(rank: int, world_size: int) -> dict[str, Any]:
+    """Every torch-backed free function, each argument in turn replaced by each nasty value.
+
+    All ranks make the same calls in the same order (the values are the same), so a
+    call that is accepted and communicates meets its peers. Afterwards the store
+    and group formation must still work: a rejected argument breaks nothing later.
+    """
+    import torch.distributed as dist
+    from probes import nasty_values
+
+    from scopedmesh import agree_on_lost, node_aware_mesh, reform, world_nodes
+    from scopedmesh.errors import LostRankError
+    from scopedmesh.interop import layout_of, to_device_mesh
+    from scopedmesh.layout import MeshLayout
+
+    names = ("dp",)
+    made: list[ProcessGroupMesh] = []
+
+    def mesh() -> ProcessGroupMesh:
+        made.append(ProcessGroupMesh(world_size, names=names))
+        return made[-1]
+
+    with ProcessGroupMesh(world_size, names=names) as keeper:
+        device_mesh = keeper.to_device_mesh("cpu")
+    calls: dict[str, tuple[Callable[..., Any], Callable[[int], tuple[list[Any], dict[str, Any]]]]]
+    calls = {
+        "agree_on_lost": (
+            agree_on_lost,
+            lambda n: ([list(range(world_size)), rank], {"tag": f"fuzz{n}", "timeout": 1}),
+        ),
+        "reform": (reform, lambda n: ([mesh(), [], "dp"], {})),
+        "world_nodes": (
+            world_nodes,
+            lambda n: ([], {"source": "hostname", "host": "node-a", "timeout": 30}),
+        ),
+        "node_aware_mesh": (
+            node_aware_mesh,
+            lambda n: (
+                [world_size],
+                {"intra_node": "dp", "names": names, "nodes": ["a"] * world_size, "timeout": 30},
+            ),
+        ),
+        "ProcessGroupMesh.from_layout": (
+            ProcessGroupMesh.from_layout,
+            lambda n: (
+                [MeshLayout((world_size,), names=names)],
+                {"backend": "gloo", "timeout": 30, "pg_options": None, "eager": False},
+            ),
+        ),
+        "to_device_mesh": (to_device_mesh, lambda n: ([mesh(), "cpu", None], {})),
+        "layout_of": (layout_of, lambda n: ([device_mesh], {})),
+    }
+    tally = Tally()
+    long_messages: list[str] = []
+    baseline = live()
+    n = 0
+    for entry, (fn, good) in calls.items():
+        for slot in _slots(*good(0)):
+            for value in nasty_values():
+                n += 1
+                args, kwargs = good(n)
+                if isinstance(slot, int):
+                    args[slot] = value
+                else:
+                    kwargs[slot] = value
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    outcome = outcome_of(fn, *args, **kwargs)
+                    if outcome[0] == "violation" and outcome[1] == LostRankError.__name__:
+                        outcome = ("ok", None, "")  # a valid `lost` that drops this rank
+                    result = tally.add(entry, outcome, f"{entry} slot {slot}")
+                    if outcome[0] == "rejected" and len(outcome[2]) > MESSAGE_LIMIT:
+                        long_messages.append(f"{entry} slot {slot}: {len(outcome[2])} characters")
+                    if isinstance(result, ProcessGroupMesh):
+                        result.close()
+                    for m in made:
+                        m.close()
+                    made.clear()
+        gc.collect()
+    # Nothing broke for later: the store answers, and a new mesh forms a group that sums.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"after-fuzz/{rank}", "ok")
+    after = [store.get(f"after-fuzz/{r}").decode() for r in range(world_size)]
+    with ProcessGroupMesh(world_size, names=names) as fresh:
+        total = torch.tensor([float(rank + 1)])
+        dist.all_reduce(total, group=fresh.get_group_along_axis("dp"))
+    return {
+        **tally.as_dict(),
+        "long_messages": long_messages,
+        "left_groups": live() - baseline,
+        "store_after": after,
+        "sum_after": total.item(),
+    }

@@ -392,3 +392,64 @@ def test_corpus_is_fixed_by_its_seed() -> None:
     assert {
         f"ProcessGroupMesh.{m}" for m in workers.public_methods(scopedmesh.ProcessGroupMesh)
     } <= entries
+
+
+# ============================= the torch-backed free functions and run_world, nasty values
+
+
+def test_torch_backed_entries_answer_every_nasty_argument_and_break_nothing() -> None:
+    """agree_on_lost, reform, world_nodes, node_aware_mesh, from_layout, interop: 2 gloo ranks."""
+    results = run_world(workers.fuzz_torch_entries, 2, timeout=600, init_timeout=60)
+    for rank, result in enumerate(results):
+        assert result["violations"] == {}, "\n\n".join(
+            f"rank {rank}: {k}\n{v}" for k, v in result["violations"].items()
+        )
+        assert result["long_messages"] == []
+        assert result["rejected"] > 0 and result["accepted"] > 0
+        assert result["left_groups"] == 0
+        assert result["store_after"] == ["ok", "ok"]  # the store still answers every rank
+        assert result["sum_after"] == 3.0  # and a later mesh still forms a working group
+    assert results[0]["by_type"] == results[1]["by_type"]  # both ranks took the same paths
+    _figure(
+        "torch-backed entries fuzz (per rank)",
+        tried=results[0]["tried"],
+        rejected=results[0]["rejected"],
+        accepted=results[0]["accepted"],
+        by_type=results[0]["by_type"],
+    )
+
+
+def _rank_of(rank: int, world_size: int, *args: object) -> int:
+    return rank
+
+
+def test_run_world_answers_every_nasty_argument_before_starting_anything() -> None:
+    from probes import nasty_values
+
+    good: dict[str, Any] = {
+        "fn": _rank_of,
+        "world_size": 1,
+        "args": (),
+        "backend": "gloo",
+        "timeout": 60,
+        "env": None,
+        "init_timeout": 30,
+        "grace": 1,
+        "allow_exit": (),
+        "start_method": "forkserver",
+    }
+    tally: dict[str, int] = {}
+    for name in good:
+        for value in nasty_values():
+            kwargs = {**good, name: value}
+            fn, size = kwargs.pop("fn"), kwargs.pop("world_size")
+            kind, result, message = workers.outcome_of(run_world, fn, size, **kwargs)
+            assert kind != "violation", f"run_world({name}={value!r:.80}): {result}: {message}"
+            if kind == "rejected":
+                assert len(message) <= workers.MESSAGE_LIMIT, name
+            else:
+                assert result == [0], name  # accepted: the world ran
+            key = result if kind == "rejected" else "ok"
+            tally[key] = tally.get(key, 0) + 1
+    assert tally.get("ok", 0) < sum(tally.values()) / 2
+    _figure("run_world fuzz", **tally)

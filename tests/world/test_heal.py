@@ -159,11 +159,19 @@ def _reports_n(result: dict[str, Any], world: int) -> dict[int, dict[str, Any]]:
 def test_bad_input_is_rejected_before_any_store_request() -> None:
     from scopedmesh.heal import agree_on_lost, reform
 
-    with pytest.raises(ValueError, match=r"rank 9 is not in ranks \[0, 1, 2, 3\]"):
+    with pytest.raises(ValueError, match=r"rank must be one of ranks \[0, 1, 2, 3\], got 9"):
         agree_on_lost(range(4), 9, tag="t", timeout=1)
     with pytest.raises(ValueError, match="timeout must be positive, got 0"):
         agree_on_lost(range(4), 0, tag="t", timeout=0)
-    with pytest.raises(ValueError, match="tag must be a non-empty str without '/'"):
-        agree_on_lost(range(4), 0, tag="a/b", timeout=1)
+    with pytest.raises(TypeError, match="ranks must hold int ranks, got True"):
+        agree_on_lost([0, True], 0, tag="t", timeout=1)
+    with pytest.raises(ValueError, match=r"ranks must be ranks of WORLD \(>= 0\), got -1"):
+        agree_on_lost([0, -1], 0, tag="t", timeout=1)
+    # The tag becomes part of store keys: bounded and printable before anything is sent.
+    for tag in ("a/b", "", "x" * 201, "bad\x00tag", "\udcff"):
+        with pytest.raises(ValueError, match="tag must be 1 to 200 printable characters"):
+            agree_on_lost(range(4), 0, tag=tag, timeout=1)
+    with pytest.raises(TypeError, match="tag must be a str, got b't'"):
+        agree_on_lost(range(4), 0, tag=b"t", timeout=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="mesh must be a ProcessGroupMesh, got 3"):
         reform(3, [1], "dp")  # type: ignore[arg-type]
