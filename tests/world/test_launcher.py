@@ -60,6 +60,8 @@ def exit_on_rank(rank: int, world_size: int, bad_rank: int, code: int, pid_dir: 
 
 
 def kill_self_on_rank(rank: int, world_size: int, bad_rank: int) -> int:
+    # Every rank is connected first: gloo's connect of a slower peer fails once one has died.
+    dist.barrier()
     if rank == bad_rank:
         os.kill(os.getpid(), signal.SIGKILL)
     return rank * 10
