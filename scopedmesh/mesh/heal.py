@@ -28,6 +28,7 @@ from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout import Axis
+from scopedmesh.layout.ints import is_int
 from scopedmesh.layout.survivors import shrink
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
@@ -68,7 +69,7 @@ def _sorted_ranks(ranks: object) -> list[int]:
         raise TypeError(f"ranks must be an iterable of int ranks, got {shown(ranks)}")
     members: set[int] = set()
     for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int):
+        if not is_int(r):
             raise TypeError(f"ranks must hold int ranks, got {shown(r)}")
         if r < 0:
             raise ValueError(f"ranks must be ranks of WORLD (>= 0), got {shown(r)}")
@@ -106,7 +107,7 @@ def agree_on_lost(
     """
     seconds = check_timeout(timeout).total_seconds()
     members = _sorted_ranks(ranks)
-    if isinstance(rank, bool) or not isinstance(rank, int):
+    if not is_int(rank):
         raise TypeError(f"rank must be an int rank, got {shown(rank)}")
     if rank not in members:
         raise ValueError(f"rank must be one of ranks {shown(members)}, got {shown(rank)}")

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_backend, check_timeout
 from scopedmesh.errors import shown
+from scopedmesh.layout.ints import is_int
 from scopedmesh.testing.world import START_METHODS, WARM_MODULES
 
 __all__ = ["START_METHODS", "WorldError", "free_port", "run_world", "world_context"]
@@ -227,7 +228,7 @@ def _validate(
 ) -> tuple[dict[str, str], frozenset[int]]:
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
+    if not is_int(world_size):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(
@@ -251,7 +252,7 @@ def _validate(
         raise TypeError(f"allow_exit must be a collection of ranks, got {shown(allow_exit)}")
     allowed: set[int] = set()
     for r in allow_exit:
-        if isinstance(r, bool) or not isinstance(r, int):
+        if not is_int(r):
             raise TypeError(f"allow_exit must hold int ranks, got {shown(r)}")
         if not 0 <= r < world_size:
             raise ValueError(f"allow_exit rank {r} is outside 0..{world_size - 1}")

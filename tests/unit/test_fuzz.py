@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from probes import nasty_values
+from probes import ALLOWED, MESSAGE_LIMIT, nasty_values
 
 from scopedmesh import MeshLayout, ProcessGroupMesh, node_aware_ranks, shrink
 from scopedmesh.layout.placement import node_numbers, nodes_from_env
@@ -32,9 +32,7 @@ from scopedmesh.plan.node_plan import make_node_plan
 from scopedmesh.testing import strategies as sst
 from scopedmesh.testing.world import spec_from_marker
 
-ALLOWED = (TypeError, ValueError, KeyError, IndexError)
 SECONDS = 5  # a never-hang bound per call, not a speed claim
-MESSAGE_LIMIT = 5_000  # characters: a message shows a bad argument, never all of it
 
 
 NASTY = nasty_values()

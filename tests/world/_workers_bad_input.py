@@ -12,11 +12,9 @@ from typing import Any
 
 import torch
 from _workers_common import NAMES, destroy_all_but_world, live
+from probes import ALLOWED, MESSAGE_LIMIT, nasty_values
 
 from scopedmesh.mesh import ProcessGroupMesh
-
-# The exceptions bad input may raise; anything else (or an empty message) is a violation.
-ALLOWED = (TypeError, ValueError, KeyError, IndexError)
 
 
 def outcome_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any, str]:
@@ -294,8 +292,6 @@ def junk_strategy(st: Any) -> Any:
 
 # ====================================== the torch-backed free functions, nasty values
 
-MESSAGE_LIMIT = 5_000  # characters: an error message shows a bad argument, never all of it
-
 
 def _slots(args: list[Any], kwargs: dict[str, Any]) -> list[int | str]:
     return [*range(len(args)), *kwargs]
@@ -309,7 +305,6 @@ def fuzz_torch_entries(rank: int, world_size: int) -> dict[str, Any]:
     and group formation must still work: a rejected argument breaks nothing later.
     """
     import torch.distributed as dist
-    from probes import nasty_values
 
     from scopedmesh import agree_on_lost, node_aware_mesh, reform, world_nodes
     from scopedmesh.errors import LostRankError

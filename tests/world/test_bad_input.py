@@ -34,6 +34,7 @@ import _workers_replay
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from probes import MESSAGE_LIMIT, nasty_values
 
 import scopedmesh
 import scopedmesh.testing.strategies as strategies
@@ -348,7 +349,10 @@ def test_a_timeout_check_names_its_argument() -> None:
 def _replay(count: int, seed: int, optimize: bool) -> dict[str, Any]:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        # The root for scopedmesh, tests/ for the shared probes (pytest's rootdir-relative path).
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     command = [sys.executable, *(["-O"] if optimize else []), str(REPLAY), "replay"]
     command += ["--seed", str(seed), "--count", str(count)]
@@ -424,8 +428,6 @@ def _rank_of(rank: int, world_size: int, *args: object) -> int:
 
 
 def test_run_world_answers_every_nasty_argument_before_starting_anything() -> None:
-    from probes import nasty_values
-
     good: dict[str, Any] = {
         "fn": _rank_of,
         "world_size": 1,
@@ -446,7 +448,7 @@ def test_run_world_answers_every_nasty_argument_before_starting_anything() -> No
             kind, result, message = workers.outcome_of(run_world, fn, size, **kwargs)
             assert kind != "violation", f"run_world({name}={value!r:.80}): {result}: {message}"
             if kind == "rejected":
-                assert len(message) <= workers.MESSAGE_LIMIT, name
+                assert len(message) <= MESSAGE_LIMIT, name
             else:
                 assert result == [0], name  # accepted: the world ran
             key = result if kind == "rejected" else "ok"
