@@ -1,22 +1,190 @@
-"""A torch ``DeviceMesh`` built over a layout, this rank's coordinate and existing groups.
+"""A torch ``DeviceMesh`` that belongs to a scope: distinct per lifetime, closed with it.
 
-Below the mesh: it knows a layout, a coordinate and a way to get each axis's
-group, never :class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh` itself, so the mesh
-can call it and :mod:`scopedmesh.mesh.interop` can sit above the mesh.
+Below the mesh: it knows a layout, a coordinate, a way to get each axis's
+group and a :class:`Lifetime`, never
+:class:`~scopedmesh.mesh.process_group_mesh.ProcessGroupMesh` itself, so the
+mesh can call it and :mod:`scopedmesh.mesh.interop` can sit above the mesh.
+
+torch compares DeviceMeshes by structure (ranks, shape, names, device type),
+and DTensor caches its sharding decisions and redistribute plans by that key.
+Two meshes of the same structure over different groups (consecutive scoped
+blocks, two meshes open at once) would then share cache entries, and one
+block's work would run on the other block's groups. A
+:class:`ScopedDeviceMesh` adds its groups' names, unique per incarnation, to
+the key; every DeviceMesh torch derives from it (slices, ``_flatten``,
+``_unflatten``) becomes one too; a group torch makes for ``_flatten`` or
+``_unflatten`` is handed to the lifetime, which destroys it when the scope
+closes; and once the scope has closed, resolving any of its groups raises the
+lifetime's error (:class:`~scopedmesh.errors.MeshClosedError`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from scopedmesh.c10d.groups import live_groups
 from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 
-__all__ = ["build_device_mesh"]
+__all__ = [
+    "Lifetime",
+    "ScopedDeviceMesh",
+    "build_device_mesh",
+    "check_device_type",
+    "forget_closed_meshes",
+]
+
+_LIFETIME = "_scopedmesh_lifetime"  # the instance attribute that binds a DeviceMesh to a scope
+_NAMES = "_dim_group_names"  # torch's attribute: the names of a DeviceMesh's groups, per dim
+
+
+class Lifetime(Protocol):
+    """What a :class:`ScopedDeviceMesh` needs of the scope it belongs to."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the scope has closed (its groups are destroyed)."""
+        ...
+
+    def check_open(self) -> None:
+        """Raise the scope's error (``MeshClosedError``) once it has closed."""
+        ...
+
+    def adopt(self, group: ProcessGroup) -> None:
+        """Destroy ``group`` (made by torch for this scope) when the scope closes."""
+        ...
+
+
+def _group_names(mesh: DeviceMesh) -> list[str]:
+    """torch's group names of ``mesh``, read without the open check."""
+    names: list[str] = mesh.__dict__.get(_NAMES, [])
+    return names
+
+
+class ScopedDeviceMesh(DeviceMesh):
+    """A ``DeviceMesh`` bound to the lifetime of the scope whose groups it uses.
+
+    Equal to another only if torch finds them equal *and* their groups are the
+    same incarnations, so no torch cache keyed by a DeviceMesh can hand one
+    scope's work to another scope's groups. After its scope closes, any use
+    that resolves a group (DTensor's collectives, ``get_group``, FSDP2's
+    communication through the mesh) raises ``MeshClosedError``.
+    """
+
+    @property  # type: ignore[override]
+    def _dim_group_names(self) -> list[str]:
+        lifetime: Lifetime | None = self.__dict__.get(_LIFETIME)
+        if lifetime is not None:
+            lifetime.check_open()
+        return _group_names(self)
+
+    @_dim_group_names.setter
+    def _dim_group_names(self, names: list[str]) -> None:
+        self.__dict__[_NAMES] = names
+
+    def __hash__(self) -> int:
+        cached: int | None = self.__dict__.get("_scopedmesh_hash")
+        if cached is None:
+            cached = hash((DeviceMesh.__hash__(self), tuple(_group_names(self))))
+            self.__dict__["_scopedmesh_hash"] = cached
+        return cached
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, ScopedDeviceMesh):
+            return False
+        return _group_names(self) == _group_names(other) and DeviceMesh.__eq__(self, other)
+
+    def __copy__(self) -> ScopedDeviceMesh:
+        return self  # a handle on its scope's groups: copies would share them anyway
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ScopedDeviceMesh:
+        return self
+
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
+        self._check_open()
+        return _bind(super().__getitem__(mesh_dim_names), self._lifetime)
+
+    def _flatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
+        self._check_open()
+        with _adopting_new_groups(self._lifetime):
+            flat = super()._flatten(*args, **kwargs)
+        return _bind(flat, self._lifetime)
+
+    def _unflatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
+        self._check_open()
+        with _adopting_new_groups(self._lifetime):
+            unflat = super()._unflatten(*args, **kwargs)  # type: ignore[misc]
+        return _bind(unflat, self._lifetime)
+
+    @property
+    def _lifetime(self) -> Lifetime:
+        lifetime: Lifetime = self.__dict__[_LIFETIME]
+        return lifetime
+
+    def _check_open(self) -> None:
+        lifetime: Lifetime | None = self.__dict__.get(_LIFETIME)
+        if lifetime is not None:
+            lifetime.check_open()
+
+
+def _bind(mesh: DeviceMesh, lifetime: Lifetime) -> DeviceMesh:
+    """Make ``mesh`` (torch's, derived from a scoped one) a :class:`ScopedDeviceMesh` of ``lifetime``."""
+    if type(mesh) is DeviceMesh:
+        mesh.__class__ = ScopedDeviceMesh
+    if isinstance(mesh, ScopedDeviceMesh) and _LIFETIME not in mesh.__dict__:
+        mesh.__dict__[_LIFETIME] = lifetime
+        mesh.__dict__.pop("_scopedmesh_hash", None)
+    return mesh
+
+
+@contextmanager
+def _adopting_new_groups(lifetime: Lifetime) -> Iterator[None]:
+    """Hand every group torch makes inside the block to ``lifetime`` (even if the block fails)."""
+    live = live_groups()
+    before = set(live)
+    try:
+        yield
+    finally:
+        for group in [group for group in live if group not in before]:
+            lifetime.adopt(group)
+
+
+def check_device_type(device_type: object) -> str:
+    """``device_type`` if it names a device type torch knows, without an index.
+
+    >>> check_device_type("cpu")
+    'cpu'
+    >>> check_device_type("cuda:0")
+    Traceback (most recent call last):
+    ...
+    ValueError: device_type must be a device type without an index, such as 'cuda', got 'cuda:0'
+    """
+    if not isinstance(device_type, str) or not device_type:
+        raise TypeError(
+            f"device_type must be a device name such as 'cpu', got {shown(device_type)}"
+        )
+    try:
+        device = torch.device(device_type)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"device_type must be a device type torch knows, such as 'cpu' or 'cuda', "
+            f"got {shown(device_type)}"
+        ) from None
+    if device.index is not None or device.type != device_type:
+        raise ValueError(
+            f"device_type must be a device type without an index, such as {device.type!r}, "
+            f"got {shown(device_type)}"
+        )
+    return device_type
 
 
 def build_device_mesh(
@@ -27,8 +195,9 @@ def build_device_mesh(
     group_along: Callable[[int], ProcessGroup | None],
     *,
     keeps_order: bool,
-) -> DeviceMesh:
-    """A ``DeviceMesh`` over ``axes`` (default: all) through ``coord``.
+    lifetime: Lifetime,
+) -> ScopedDeviceMesh:
+    """A :class:`ScopedDeviceMesh` over ``axes`` (default: all) through ``coord``.
 
     ``group_along(axis_index)`` gives the group of each selected axis; it is
     called only once the axes have been checked, in the order of ``axes``.
@@ -36,10 +205,7 @@ def build_device_mesh(
     shard ``k`` lands on the rank at position ``k`` whatever the rank order;
     otherwise members ascend, and an axis whose ranks do not is refused.
     """
-    if not isinstance(device_type, str) or not device_type:
-        raise TypeError(
-            f"device_type must be a device name such as 'cpu', got {shown(device_type)}"
-        )
+    check_device_type(device_type)
     chosen = tuple(range(layout.ndim)) if axes is None else layout.axes_indices(axes)
     sub = layout.sub(coord, chosen)
     ranks = torch.tensor(sub.ranks, dtype=torch.int).reshape(sub.shape)
@@ -58,4 +224,45 @@ def build_device_mesh(
         if group is None:  # cannot happen: without indices, every rank is in its group
             raise RuntimeError(f"this rank has no group along axis {names[len(groups)]!r}")
         groups.append(group)
-    return DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
+    with _adopting_new_groups(lifetime):  # from_group makes none; if a release did, it is ours
+        mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
+    bound = _bind(mesh, lifetime)
+    if not isinstance(bound, ScopedDeviceMesh):  # a subclass of DeviceMesh: not ours to rebind
+        raise TypeError(f"DeviceMesh.from_group returned a {type(mesh).__name__}")
+    return bound
+
+
+def forget_closed_meshes() -> None:
+    """Drop what DTensor cached about DeviceMeshes whose scope has closed.
+
+    Their keys can never match a live mesh (see :class:`ScopedDeviceMesh`), so
+    this is about memory, not correctness: the caches are unbounded, and a
+    sweep of scoped blocks would otherwise keep every closed block's meshes.
+    The sharding-propagation and redistribute-plan caches cannot drop single
+    entries, so they are cleared (this thread's, for the thread-local one): a
+    mesh that stays open recomputes each of its ops' decisions once. The
+    planner cache is keyed by weak references and loses only the closed
+    meshes' entries. Each cache is looked up by name and skipped where a
+    release lacks it.
+    """
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:  # DTensor never loaded: nothing cached
+        return
+    propagator = getattr(getattr(tensor.DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        _clear(getattr(propagator, name, None))
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    _clear(getattr(redistribute, "_gen_transform_infos", None))
+    planners = getattr(redistribute, "_planner_cache", None)
+    if isinstance(planners, dict):
+        for key in list(planners):
+            mesh = key[0]() if isinstance(key, tuple) and callable(key[0]) else None
+            lifetime = getattr(mesh, "__dict__", {}).get(_LIFETIME)
+            if mesh is None or (lifetime is not None and lifetime.closed):
+                del planners[key]
+
+
+def _clear(cache: object) -> None:
+    clear = getattr(cache, "cache_clear", None)
+    if callable(clear):
+        clear()

@@ -127,6 +127,17 @@ class GroupTable:
                     errors.append(error)
         return errors
 
+    def destroy(self, groups: Iterable[dist.ProcessGroup]) -> list[Exception]:
+        """Destroy ``groups`` that torch made for a scope (never registered here), in the
+        order given; no communication. Returns the failures, first first."""
+        errors: list[Exception] = []
+        for group in groups:
+            try:
+                _c10d.destroy(group)
+            except Exception as error:  # keep going: the other groups must still go
+                errors.append(error)
+        return errors
+
 
 # Words of torch's store and gloo's transport when members did not meet in time.
 _MEETING_FAILURES = ("timeout", "timed out", "connection", "connect", "peer")

@@ -31,7 +31,7 @@ from scopedmesh.errors import shown
 from scopedmesh.layout import Axes, Axis, MeshLayout
 from scopedmesh.layout import colossal as _seed
 from scopedmesh.mesh.group_table import Entry, GroupTable
-from scopedmesh.mesh.scope import Scope
+from scopedmesh.mesh.scope import Binding, Scope
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -560,6 +560,7 @@ class ProcessGroupMesh:
             build_device_mesh,  # few programs need it: not at import
         )
 
+        self._scope.check_open(self)
         return build_device_mesh(
             self._layout,
             self._coord,
@@ -567,6 +568,7 @@ class ProcessGroupMesh:
             axes,
             self.get_group_along_axis,
             keeps_order=self._table.ordered,
+            lifetime=Binding(self._scope, self),
         )
 
 

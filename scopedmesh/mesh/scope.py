@@ -17,6 +17,11 @@ It knows nothing of axes: the object it serves (a ``ProcessGroupMesh``) is
 passed as ``owner`` where a message names it, and gives the dictionaries that
 cache what the scope handed out (``forget``), emptied when it closes.
 
+A torch ``DeviceMesh`` made for a scope sees it through a :class:`Binding`:
+the scope's groups that torch made itself (for ``_flatten``) are *adopted*
+and destroyed with the scope's own, and a closed scope's DeviceMesh raises
+:class:`MeshClosedError` when it is used.
+
 >>> from scopedmesh.mesh.group_table import GroupTable
 >>> root = Scope(GroupTable())
 >>> child = root.nest()
@@ -28,18 +33,31 @@ cache what the scope handed out (``forget``), emptied when it closes.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
+
+import torch.distributed as dist
 
 from scopedmesh.errors import MeshClosedError
 from scopedmesh.mesh.group_table import Entry, GroupTable
 
-__all__ = ["Scope"]
+__all__ = ["Binding", "Scope"]
 
 
 class Scope:
     """The lifetime of one mesh or sub-mesh over a shared :class:`GroupTable`."""
 
-    __slots__ = ("children", "closed", "entered", "forget", "held", "parent", "table")
+    __slots__ = (
+        "adopted",
+        "bound",
+        "children",
+        "closed",
+        "entered",
+        "forget",
+        "held",
+        "parent",
+        "table",
+    )
 
     def __init__(
         self,
@@ -52,6 +70,8 @@ class Scope:
         self.forget = forget  # the owner's caches of what it handed out through this scope
         self.held: dict[Entry, None] = {}  # the entries this scope holds, oldest first
         self.children: list[Scope] = []  # open child scopes, oldest first
+        self.adopted: list[dist.ProcessGroup] = []  # groups torch made for this scope, oldest first
+        self.bound = False  # whether a torch DeviceMesh was made over this scope
         self.closed = False
         self.entered = False
 
@@ -71,6 +91,14 @@ class Scope:
             scope = scope.parent
         self.held[entry] = None
         entry.holds += 1
+
+    def adopt(self, group: dist.ProcessGroup) -> None:
+        """Destroy ``group``, which torch made for this scope, when the scope closes."""
+        with self.table.lock:
+            if self.closed:  # made after the close: nobody else will destroy it
+                self.table.destroy([group])
+            else:
+                self.adopted.append(group)
 
     def check_open(self, owner: object) -> None:
         """Raise :class:`MeshClosedError` naming ``owner`` once the scope has closed."""
@@ -102,7 +130,8 @@ class Scope:
             )
 
     def close(self) -> None:
-        """Close the children, then release this scope's entries, newest first; once.
+        """Close the children, destroy the groups torch made for this scope, then release
+        this scope's entries, newest first; once.
 
         If releasing fails, the rest are still released and the first error is
         raised at the end.
@@ -121,14 +150,20 @@ class Scope:
                     child._close()
                 except Exception as error:
                     errors.append(error)
+            errors += self.table.destroy(reversed(self.adopted))
             unheld = []
             for entry in reversed(self.held):
                 entry.holds -= 1
                 if entry.holds == 0:
                     unheld.append(entry)
             errors += self.table.release(unheld)
+            if self.bound:
+                from scopedmesh.c10d.device_mesh import forget_closed_meshes  # loaded already
+
+                forget_closed_meshes()
         finally:
             self.held.clear()
+            self.adopted.clear()
             self.children.clear()
             for cache in self.forget:
                 cache.clear()
@@ -154,3 +189,38 @@ class Scope:
             )
         except Exception:  # interpreter shutdown: nothing left to tell
             pass
+
+
+class Binding:
+    """A scope as a torch ``DeviceMesh`` made over it sees it (see
+    :class:`scopedmesh.c10d.device_mesh.Lifetime`): open or closed, and where
+    the groups torch makes for it go. It holds its owner weakly, so a DeviceMesh
+    kept in torch's caches does not keep a mesh alive.
+    """
+
+    __slots__ = ("_owner", "_scope")
+
+    def __init__(self, scope: Scope, owner: object) -> None:
+        self._scope = scope
+        self._owner = weakref.ref(owner)
+        scope.bound = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether the scope has closed."""
+        return self._scope.closed
+
+    def check_open(self) -> None:
+        """Raise :class:`MeshClosedError`, naming the mesh, once the scope has closed."""
+        if self._scope.closed:
+            owner = self._owner()
+            raise MeshClosedError(
+                f"this DeviceMesh belongs to {'a mesh' if owner is None else repr(owner)}, "
+                "which is closed: its groups were destroyed with it. A DeviceMesh, DTensor or "
+                "FSDP2 module made in a closed block cannot be used any more; make new ones "
+                "from an open mesh"
+            )
+
+    def adopt(self, group: dist.ProcessGroup) -> None:
+        """Destroy ``group``, which torch made through the DeviceMesh, with the scope."""
+        self._scope.adopt(group)
