@@ -238,8 +238,9 @@ def forget_closed_meshes() -> None:
     Their keys can never match a live mesh (see :class:`ScopedDeviceMesh`), so
     this is about memory, not correctness: the caches are unbounded, and a
     sweep of scoped blocks would otherwise keep every closed block's meshes.
-    The sharding-propagation and redistribute-plan caches cannot drop single
-    entries, so they are cleared (this thread's, for the thread-local one): a
+    The sharding-propagation caches (C++ and Python) and the redistribute-plan
+    cache cannot drop single entries, so they are cleared (this thread's, for
+    the thread-local ones): a
     mesh that stays open recomputes each of its ops' decisions once. The
     planner cache is keyed by weak references and loses only the closed
     meshes' entries. Each cache is looked up by name and skipped where a
@@ -248,6 +249,9 @@ def forget_closed_meshes() -> None:
     tensor = sys.modules.get("torch.distributed.tensor")
     if tensor is None:  # DTensor never loaded: nothing cached
         return
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if callable(native):  # the C++ dispatch fast path's cache (torch 2.10 and later)
+        native()
     propagator = getattr(getattr(tensor.DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
         _clear(getattr(propagator, name, None))

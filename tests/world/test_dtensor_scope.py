@@ -192,11 +192,17 @@ def caches_after_close(out: dict[str, Any]) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import _redistribute as redistribute
 
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    native = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", lambda: (0, 0))
+
+    def cached() -> int:
+        """Python's cached decisions, plus the C++ fast path's hits and misses (2.10+)."""
+        return propagator.propagate_op_sharding.cache_info().currsize + sum(native())
+
     with ProcessGroupMesh(2, 2, 2, names=("dp", "pp", "tp")) as mesh:
         run_block(mesh)
-        propagator = DTensor._op_dispatcher.sharding_propagator
-        out["cache_in_block"] = propagator.propagate_op_sharding.cache_info().currsize
-    out["cache_after"] = propagator.propagate_op_sharding.cache_info().currsize
+        out["cache_in_block"] = cached()
+    out["cache_after"] = cached()
     planners = getattr(redistribute, "_planner_cache", {})
     out["planners_of_closed_meshes"] = sum(
         1 for key in planners if isinstance(key[0](), ScopedDeviceMesh)
