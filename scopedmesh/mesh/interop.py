@@ -6,7 +6,7 @@ over the mesh's own groups, so the mesh stays their single owner::
     with ProcessGroupMesh(2, 2, 2, names=("dp", "pp", "tp")) as mesh:
         dm = mesh.to_device_mesh("cpu")       # axes dp, pp, tp; no new group
         fully_shard(model, mesh=dm["dp"])     # FSDP2 over the mesh's dp group
-    # the groups under dm are destroyed here: dm is not to be used any more
+    # the groups under dm are destroyed here: using dm raises MeshClosedError
 """
 
 from __future__ import annotations
@@ -28,14 +28,26 @@ def to_device_mesh(
     """A ``DeviceMesh`` over ``axes`` (default: all, in mesh order) of ``mesh``, through this rank.
 
     Its groups are the mesh's own (missing ones are made now, so every member
-    must call this in the same order). It is valid while ``mesh`` is open: when
-    the mesh closes, its groups are destroyed and the DeviceMesh is unusable.
-    Unnamed axes are called ``axis0``, ``axis1``, ... Costs O(size of the
-    selected axes) for the rank tensor DeviceMesh requires.
+    must call this in the same order). Unnamed axes are called ``axis0``,
+    ``axis1``, ... Costs O(size of the selected axes) for the rank tensor
+    DeviceMesh requires. ``device_type`` is a device type without an index
+    (``'cpu'``, ``'cuda'``), as for ``init_device_mesh``; anything else is a
+    ``ValueError``.
 
-    Torch orders a group's members by global rank while DTensor places shards
-    by mesh coordinate, so along each selected axis the ranks must ascend; a
-    mesh laid over a custom rank order that breaks this gets a ``ValueError``.
+    The DeviceMesh belongs to the mesh's scope (a
+    :class:`~scopedmesh.c10d.device_mesh.ScopedDeviceMesh`): it equals only a
+    DeviceMesh over the same groups, so DTensor's caches never carry another
+    block's work onto these groups, nor this block's onto another's; the
+    meshes torch derives from it (``dm["tp"]``, ``dm["dp", "cp"]._flatten()``,
+    ``_unflatten``) are scoped too, and a group torch makes for them is
+    destroyed when the mesh closes. After that, using the DeviceMesh, or a
+    DTensor on it, raises :class:`~scopedmesh.errors.MeshClosedError`.
+
+    Shard ``k`` of an axis lands on the rank at position ``k`` along it,
+    whatever order the mesh lays its ranks in: the mesh's groups keep their
+    members in mesh order. Only on a torch whose internals scopedmesh does not
+    recognise (groups then list members ascending) is an axis whose ranks do
+    not ascend refused with a ``ValueError``.
 
     >>> import torch.distributed as dist
     >>> from scopedmesh import ProcessGroupMesh

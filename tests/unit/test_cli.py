@@ -1,4 +1,4 @@
-"""Tests for scopedmesh.cli (``scopedmesh plan``): facts checked against brute force."""
+"""Tests for scopedmesh.plan.cli (``scopedmesh plan``): facts checked against brute force."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scopedmesh
-from scopedmesh.cli import main
+from scopedmesh.plan.cli import main
 
 ROOT = Path(scopedmesh.__file__).resolve().parent.parent
 

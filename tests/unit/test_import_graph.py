@@ -2,7 +2,7 @@
 
 Bottom to top (docs/ARCHITECTURE.md): ``errors``, ``layout/`` (pure), ``c10d/``
 (the torch boundary), ``mesh/``, ``plan/`` (pure), ``testing/``, then the public
-face (``__init__``, ``__main__`` and the modules that keep old import paths).
+face (``__init__`` and ``__main__``).
 A module imports only from its own layer or below; a module this test cannot
 place fails it. Every ``import`` statement counts, including those inside
 functions and under ``if TYPE_CHECKING:``, so a lazy import cannot hide a cycle.
@@ -22,16 +22,12 @@ PACKAGE = Path(scopedmesh.__file__).resolve().parent
 # Folders (and the one module that is a layer by itself), bottom to top.
 LAYERS = ("errors", "layout", "c10d", "mesh", "plan", "testing", "public")
 TORCH_FREE = frozenset({"errors", "layout", "plan"})
-# Top-level modules that only re-export, so that imports of 0.1 keep working.
-KEPT_PATHS = frozenset(
-    {"heal", "interop", "nodes", "placement", "survivors", "svg", "nodeplan", "cli"}
-)
 
 
 def layer_of(name: str) -> str | None:
     """The layer of module ``name`` from where it lies, or None where it cannot be placed.
 
-    >>> layer_of("scopedmesh.layout.mesh_layout"), layer_of("scopedmesh.heal")
+    >>> layer_of("scopedmesh.layout.mesh_layout"), layer_of("scopedmesh.__main__")
     ('layout', 'public')
     >>> layer_of("scopedmesh.helpers") is None
     True
@@ -39,7 +35,7 @@ def layer_of(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] != "scopedmesh":
         return None
-    if len(parts) == 1 or parts[1] in KEPT_PATHS or parts[1] == "__main__":
+    if len(parts) == 1 or parts[1] == "__main__":
         return "public" if len(parts) <= 2 else None
     if parts[1] == "errors" and len(parts) == 2:
         return "errors"
@@ -122,10 +118,10 @@ def test_find_cycle_finds_cycles() -> None:
 
 def test_imports_inside_functions_count(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
-    source.write_text("def f():\n    from scopedmesh import mesh\n    import scopedmesh.cli\n")
+    source.write_text("def f():\n    from scopedmesh import mesh\n    import scopedmesh.plan.cli\n")
     assert _imports("scopedmesh.m", source, {"scopedmesh.mesh"}) == {
         "scopedmesh.mesh",
-        "scopedmesh.cli",
+        "scopedmesh.plan.cli",
     }
     # The package's lazy ProcessGroupMesh is an import inside __getattr__.
     assert "scopedmesh.mesh" in _graph()["scopedmesh"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
 
 from scopedmesh.layout import MeshLayout
-from scopedmesh.placement import node_aware_ranks, node_numbers, nodes_from_env
+from scopedmesh.layout.placement import node_aware_ranks, node_numbers, nodes_from_env
 from scopedmesh.testing.strategies import shapes
 
 Case = tuple[tuple[int, ...], tuple[int, ...], list[Hashable]]
@@ -198,6 +198,6 @@ def test_nodes_from_env_refuses_what_it_cannot_derive() -> None:
 
 
 def test_import_placement_leaves_torch_out() -> None:
-    code = "import sys, scopedmesh.placement; print('torch' in sys.modules)"
+    code = "import sys, scopedmesh.layout.placement; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

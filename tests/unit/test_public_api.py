@@ -46,7 +46,7 @@ def _modules_after(statement: str) -> set[str]:
 
 def test_import_scopedmesh_leaves_torch_out() -> None:
     modules = _modules_after(
-        "import scopedmesh, scopedmesh.layout, scopedmesh.errors, scopedmesh.placement"
+        "import scopedmesh, scopedmesh.layout, scopedmesh.errors, scopedmesh.layout.placement"
     )
     assert "scopedmesh.layout" in modules
     assert "torch" not in modules

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
 
 from scopedmesh.layout import MeshLayout
-from scopedmesh.survivors import lost_positions, shrink
+from scopedmesh.layout.survivors import lost_positions, shrink
 from scopedmesh.testing.strategies import layouts
 
 
@@ -89,7 +89,7 @@ def test_errors_name_the_numbers() -> None:
 
 def test_importing_survivors_leaves_torch_out() -> None:
     code = (
-        "import sys, scopedmesh.survivors; "
+        "import sys, scopedmesh.layout.survivors; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

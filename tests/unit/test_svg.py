@@ -1,4 +1,4 @@
-"""Tests for scopedmesh.svg (``scopedmesh plan --svg``): valid SVG whose facts match ``--json``."""
+"""Tests for scopedmesh.plan.svg (``scopedmesh plan --svg``): valid SVG whose facts match ``--json``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scopedmesh.cli import main
-from scopedmesh.svg import NODE_COLOURS
+from scopedmesh.plan.cli import main
+from scopedmesh.plan.svg import NODE_COLOURS
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -155,7 +155,7 @@ def test_svg_file_beside_the_text_and_errors(
 
 def test_svg_needs_no_torch() -> None:
     code = (
-        "import sys; from scopedmesh.cli import main; "
+        "import sys; from scopedmesh.plan.cli import main; "
         "main(['plan', '2', '2', '--svg', '-']); assert 'torch' not in sys.modules"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

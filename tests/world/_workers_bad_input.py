@@ -308,7 +308,7 @@ def fuzz_torch_entries(rank: int, world_size: int) -> dict[str, Any]:
 
     from scopedmesh import agree_on_lost, node_aware_mesh, reform, world_nodes
     from scopedmesh.errors import LostRankError
-    from scopedmesh.interop import layout_of, to_device_mesh
+    from scopedmesh.mesh.interop import layout_of, to_device_mesh
     from scopedmesh.layout import MeshLayout
 
     names = ("dp",)

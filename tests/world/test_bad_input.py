@@ -8,7 +8,7 @@ RuntimeError from deep inside torch, an empty message or a hang. Covered:
 - the CLI, ``main(argv)``: returns 0, or 2 with a one-line ``error:`` on stderr.
 - ``ProcessGroupMesh`` (constructor arguments, axes, indices, coordinates,
   ``ranks=``, backend and option arguments, every public method) and
-  ``scopedmesh.interop``: in a one-rank gloo world, every mesh closed.
+  ``scopedmesh.mesh.interop``: in a one-rank gloo world, every mesh closed.
 - every public ``timeout`` (the mesh, ``from_layout``, nodes, heal): one check,
   one answer, in a fake-backend world in this process.
 - the same under ``python -O``: a subprocess replays a fixed-seed corpus.
@@ -38,7 +38,7 @@ from probes import MESSAGE_LIMIT, nasty_values
 
 import scopedmesh
 import scopedmesh.testing.strategies as strategies
-from scopedmesh.cli import main
+from scopedmesh.plan.cli import main
 from scopedmesh.layout import MeshLayout
 from scopedmesh.testing import run_world
 
@@ -307,8 +307,8 @@ def test_every_public_timeout_gets_the_same_answer(value: object) -> None:
     """The mesh, from_layout, world_nodes, node_aware_mesh, agree_on_lost and run_world share one check."""
     from scopedmesh import ProcessGroupMesh
     from scopedmesh.c10d.checks import check_timeout
-    from scopedmesh.heal import agree_on_lost
-    from scopedmesh.nodes import node_aware_mesh, world_nodes
+    from scopedmesh.mesh.heal import agree_on_lost
+    from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
 
     with pytest.raises((TypeError, ValueError)) as expected:
         check_timeout(value)

@@ -1,4 +1,4 @@
-"""Tests for scopedmesh.interop: a mesh handed to torch's DeviceMesh, DTensor, TP, FSDP2 and DDP.
+"""Tests for scopedmesh.mesh.interop: a mesh handed to torch's DeviceMesh, DTensor, TP, FSDP2 and DDP.
 
 Layout facts are checked in this process on the ``fake`` backend (any world size,
 no communication); real collectives run once, in one 4-rank gloo world whose
@@ -21,7 +21,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from scopedmesh import AxisError, MeshClosedError, MeshLayout, ProcessGroupMesh
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.interop import layout_of, to_device_mesh
+from scopedmesh.c10d.device_mesh import ScopedDeviceMesh
+from scopedmesh.mesh.interop import layout_of, to_device_mesh
 from scopedmesh.testing import run_world
 
 # ------------------------------------------------------------ what each rank runs
@@ -255,6 +256,18 @@ def test_bad_arguments_and_closed_mesh() -> None:
             with pytest.raises(TypeError, match="device_type must be a device name"):
                 mesh.to_device_mesh(None)  # type: ignore[arg-type]
             with pytest.raises(
+                ValueError,
+                match=r"device_type must be a device type without an index, such as 'cuda', "
+                r"got 'cuda:0'",
+            ):
+                mesh.to_device_mesh("cuda:0")
+            with pytest.raises(
+                ValueError, match=r"device_type must be a device type torch knows.*'nonsense'"
+            ):
+                mesh.to_device_mesh("nonsense")
+            with pytest.raises(ValueError, match=r"without an index, such as 'cpu', got 'cpu:0'"):
+                to_device_mesh(mesh, "cpu:0")
+            with pytest.raises(
                 AxisError, match=r"unknown axis 'tpp'; this mesh's axes are \('dp', 'tp'\)"
             ):
                 mesh.to_device_mesh("cpu", axes=("tpp",))
@@ -266,6 +279,32 @@ def test_bad_arguments_and_closed_mesh() -> None:
             to_device_mesh(mesh.layout, "cpu")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="device_mesh must be a torch DeviceMesh"):
         layout_of(range(4))  # type: ignore[arg-type]
+
+
+def test_device_meshes_are_equal_only_over_the_same_incarnations() -> None:
+    """torch's DeviceMesh equality is structural; a scoped one adds its groups."""
+    with fake_world(0, 4), ProcessGroupMesh(2, 2, names=("dp", "tp")) as first:
+        dm = first.to_device_mesh("cpu")
+        again = to_device_mesh(first, "cpu")
+        assert isinstance(dm, ScopedDeviceMesh) and dm is not again
+        assert dm == again and hash(dm) == hash(again)  # the same groups: one cache entry
+        assert dm["tp"] == again["tp"] and isinstance(dm["tp"], ScopedDeviceMesh)
+        assert copy.deepcopy(dm) is dm and copy.copy(dm) is dm
+        with ProcessGroupMesh(2, 2, names=("dp", "tp")) as second:
+            other = second.to_device_mesh("cpu")
+            assert layout_of(other) == layout_of(dm)  # the same structure ...
+            assert other != dm and hash(other) != hash(dm)  # ... over other groups
+            assert other["tp"] != dm["tp"]
+        groups = [first.get_group_along_axis(a) for a in ("dp", "tp")]
+        plain = DeviceMesh.from_group(groups, "cpu", dm.mesh, mesh_dim_names=("dp", "tp"))
+        assert plain == DeviceMesh.from_group(groups, "cpu", dm.mesh, mesh_dim_names=("dp", "tp"))
+        assert plain != dm and dm != plain  # torch's own is never equal to a scoped one
+        with pytest.raises(MeshClosedError, match=r"this DeviceMesh belongs to .*which is closed"):
+            other.get_group("tp")
+        with pytest.raises(MeshClosedError, match=r"this DeviceMesh belongs to .*which is closed"):
+            other["dp"]
+    with pytest.raises(MeshClosedError, match=r"this DeviceMesh belongs to .*which is closed"):
+        dm._flatten("dp_tp")
 
 
 # ------------------------------------------------------- real collectives

@@ -26,7 +26,7 @@ from types import ModuleType
 
 import pytest
 
-from scopedmesh.cli import main as cli
+from scopedmesh.plan.cli import main as cli
 from scopedmesh.layout import MeshLayout
 
 ROOT = Path(__file__).resolve().parents[2]

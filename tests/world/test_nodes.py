@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scopedmesh.nodes import node_aware_mesh, world_nodes
-from scopedmesh.placement import node_aware_ranks
+from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
+from scopedmesh.layout.placement import node_aware_ranks
 from scopedmesh.testing import run_world
 
 # ------------------------------------------------------------ what each rank runs
@@ -118,7 +118,7 @@ def test_a_rank_that_never_joins_the_host_gather_is_a_timeout_error() -> None:
 
 
 def test_bad_arguments_are_refused_before_any_communication() -> None:
-    from scopedmesh.nodes import node_aware_mesh, world_nodes
+    from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         world_nodes()
