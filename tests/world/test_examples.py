@@ -122,3 +122,20 @@ def test_heal_survives_a_leaving_rank() -> None:
     rows = re.findall(r"^step +(\d+) replicas (\d) loss (\S+) reference (\S+)$", out, re.M)
     assert [int(n) for _, n, _, _ in rows] == [2, 2, 2, 1, 1, 1, 1, 1], out
     assert all(float(a) == pytest.approx(float(b), rel=1e-9) for _, _, a, b in rows)
+
+
+def test_sweep_trains_every_layout_to_the_reference_losses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Four scoped blocks in one process per rank, (2, 2) twice: FSDP2 + TP losses all match."""
+    out = torchrun("sweep.py", 4, "--steps", "4")
+    rows = re.findall(r"^dp=(\d) tp=(\d) step (\d) loss (\S+)$", out, re.MULTILINE)
+    sweep = load_example("sweep")
+    assert [(int(dp), int(tp)) for dp, tp, step, _ in rows if step == "0"] == list(sweep.LAYOUTS)
+    sweep.main(["--reference", "--steps", "4"])
+    reference = [
+        float(v) for v in re.findall(r"^reference step \d loss (\S+)$", capsys.readouterr().out, re.M)
+    ]
+    assert len(reference) == 4 and reference[-1] < reference[0]  # it does train
+    for dp, tp, step, loss in rows:
+        assert float(loss) == pytest.approx(reference[int(step)], abs=1e-12, rel=0), (dp, tp)
