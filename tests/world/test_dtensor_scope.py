@@ -175,6 +175,7 @@ def kept_past_the_block(out: dict[str, Any]) -> None:
         "slice": lambda: dm["tp"],
         "flatten": lambda: dm["dp", "pp"]._flatten("dp_pp"),
         "fsdp2_forward": lambda: model(A),
+        "local_add": lambda: (x + x).to_local(),
     }
     out["kept"] = {}
     for what, use in kept.items():
@@ -209,6 +210,26 @@ def caches_after_close(out: dict[str, Any]) -> None:
     )
 
 
+def compiled_across_blocks(out: dict[str, Any]) -> None:
+    """A function compiled once, called in three blocks with the DeviceMesh as an argument."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def gather_rows(local: torch.Tensor, dm: DeviceMesh) -> torch.Tensor:
+        x = DTensor.from_local(local, dm, [Shard(0), Replicate()])
+        return x.redistribute(dm, [Replicate(), Replicate()]).to_local() * 2
+
+    compiled = torch.compile(gather_rows, backend="aot_eager")
+    local = A[2 * (dist.get_rank() // 4) : 2 * (dist.get_rank() // 4) + 2]
+    out["compiled"] = []
+    for _ in range(3):
+        with ProcessGroupMesh(2, 4, names=("dp", "tp")) as mesh:
+            try:
+                y = compiled(local, mesh.to_device_mesh("cpu"))
+                out["compiled"].append(y.tolist() == (2 * A[:4]).tolist())
+            except Exception as error:
+                out["compiled"].append(f"{type(error).__name__}: {str(error)[:300]}")
+
+
 CASES = (
     torch_hazard,
     blocks_in_a_row,
@@ -218,6 +239,7 @@ CASES = (
     flatten_and_unflatten,
     kept_past_the_block,
     caches_after_close,
+    compiled_across_blocks,
 )
 
 
@@ -313,6 +335,7 @@ def test_objects_kept_past_their_block_say_the_mesh_closed(world: list[dict[str,
         assert kept["fsdp2_forward"] != "no error"
         if out["closable"]:
             assert "shut down when its mesh closed" in kept["fsdp2_forward"], kept
+        assert kept["local_add"] == "no error"  # no communication: the local shard only
         assert out["kept_left"] == 1
 
 
@@ -322,6 +345,13 @@ def test_dtensor_keeps_nothing_of_a_closed_blocks_meshes(world: list[dict[str, A
         assert out["cache_after"] == 0
         assert out["planners_of_closed_meshes"] == 0
         assert out["start"] == 1 and out["world_sum"] == 8.0
+
+
+def test_a_compiled_graph_never_runs_on_a_closed_blocks_groups(
+    world: list[dict[str, Any]],
+) -> None:
+    for out in world:
+        assert out["compiled"] == [True, True, True]
 
 
 # ------------------------------------------------ hypothesis: a mesh per example
