@@ -92,7 +92,7 @@ class ScopedDeviceMesh(DeviceMesh):
     def _dim_group_names(self, names: list[str]) -> None:
         self.__dict__[_NAMES] = names
 
-    @property  # type: ignore[override]
+    @property
     def _thread_id(self) -> int | None:
         # torch's equality, hash and torch.compile guard (``guard_fn``) all compare
         # ``_thread_id``, which torch sets only under its test-only "threaded" backend.
@@ -125,7 +125,7 @@ class ScopedDeviceMesh(DeviceMesh):
     def _unflatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
         self._check_open()
         with _adopting_new_groups(self._lifetime):
-            unflat = super()._unflatten(*args, **kwargs)  # type: ignore[misc]
+            unflat = super()._unflatten(*args, **kwargs)
         return _bind(unflat, self._lifetime)
 
     @property
@@ -245,40 +245,61 @@ def build_device_mesh(
 
 
 def forget_closed_meshes() -> None:
-    """Drop what DTensor cached about DeviceMeshes whose scope has closed.
+    """Drop what torch cached about DeviceMeshes whose scope has closed.
 
     Their keys can never match a live mesh (see :class:`ScopedDeviceMesh`), so
     this is about memory, not correctness: the caches are unbounded, and a
     sweep of scoped blocks would otherwise keep every closed block's meshes.
-    The sharding-propagation caches (C++ and Python) and the redistribute-plan
-    cache cannot drop single entries, so they are cleared (this thread's, for
-    the thread-local ones): a
-    mesh that stays open recomputes each of its ops' decisions once. The
-    planner cache is keyed by weak references and loses only the closed
-    meshes' entries. Each cache is looked up by name and skipped where a
-    release lacks it.
+    DTensor's sharding-propagation caches (C++ and Python), its tensor-meta and
+    redistribute-transform caches and the mesh-topology cache cannot drop
+    single entries, so they are cleared (this thread's, for the thread-local
+    ones): a mesh that stays open recomputes each of its ops' decisions once.
+    The redistribute planners (keyed by weak references) and torch 2.9's
+    mesh-keyed maps lose only the closed meshes' entries. Each cache is looked
+    up by name and skipped where a release lacks it.
     """
     tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is None:  # DTensor never loaded: nothing cached
-        return
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if callable(native):  # the C++ dispatch fast path's cache (torch 2.10 and later)
-        native()
-    propagator = getattr(getattr(tensor.DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        _clear(getattr(propagator, name, None))
-    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    _clear(getattr(redistribute, "_gen_transform_infos", None))
-    planners = getattr(redistribute, "_planner_cache", None)
-    if isinstance(planners, dict):
-        for key in list(planners):
-            mesh = key[0]() if isinstance(key, tuple) and callable(key[0]) else None
-            lifetime = getattr(mesh, "__dict__", {}).get(_LIFETIME)
-            if mesh is None or (lifetime is not None and lifetime.closed):
-                del planners[key]
+    if tensor is not None:  # DTensor loaded: it may have cached decisions
+        native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if callable(native):  # the C++ dispatch fast path's cache (torch 2.10 and later)
+            native()
+        dispatcher = getattr(tensor.DTensor, "_op_dispatcher", None)
+        propagator = getattr(dispatcher, "sharding_propagator", None)
+        for name in (
+            "propagate_op_sharding",
+            "_propagate_tensor_meta",
+            "_propagate_tensor_meta_cached",
+        ):
+            _clear(getattr(propagator, name, None))
+        redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+        _clear(getattr(redistribute, "_gen_transform_infos", None))
+        planners = getattr(redistribute, "_planner_cache", None)
+        if isinstance(planners, dict):
+            for key in list(planners):
+                mesh = key[0]() if isinstance(key, tuple) and callable(key[0]) else None
+                if mesh is None or _closed(mesh):
+                    del planners[key]
+        topology = sys.modules.get("torch.distributed.tensor._collective_utils")
+        _clear(getattr(getattr(topology, "MeshTopoInfo", None), "build_from_mesh", None))
+    # torch 2.9: maps keyed by DeviceMesh on a module-level _MeshEnv (thread-local).
+    resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+    for name in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+        found = getattr(resources, name, None)
+        if isinstance(found, dict):
+            for mesh in [mesh for mesh in found if _closed(mesh)]:
+                del found[mesh]
+
+
+def _closed(mesh: object) -> bool:
+    """Whether ``mesh`` is a DeviceMesh of a scope that has closed."""
+    lifetime: Lifetime | None = getattr(mesh, "__dict__", {}).get(_LIFETIME)
+    return lifetime is not None and lifetime.closed
 
 
 def _clear(cache: object) -> None:
-    clear = getattr(cache, "cache_clear", None)
-    if callable(clear):
-        clear()
+    """Clear a functools cache, or the one inside torch's thread-local wrapper (2.9)."""
+    for candidate in (cache, getattr(cache, "cache", None)):
+        clear = getattr(candidate, "cache_clear", None)
+        if callable(clear):
+            clear()
+            return

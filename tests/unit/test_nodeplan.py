@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scopedmesh.plan.cli import main
 from scopedmesh.layout import MeshLayout
 from scopedmesh.layout.placement import node_aware_ranks
+from scopedmesh.plan.cli import main
 from scopedmesh.testing.strategies import shapes
 
 BASE = ["plan", "2", "2", "2", "--names", "dp", "pp", "tp", "--nproc-per-node", "4"]

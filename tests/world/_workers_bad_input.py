@@ -308,8 +308,8 @@ def fuzz_torch_entries(rank: int, world_size: int) -> dict[str, Any]:
 
     from scopedmesh import agree_on_lost, node_aware_mesh, reform, world_nodes
     from scopedmesh.errors import LostRankError
-    from scopedmesh.mesh.interop import layout_of, to_device_mesh
     from scopedmesh.layout import MeshLayout
+    from scopedmesh.mesh.interop import layout_of, to_device_mesh
 
     names = ("dp",)
     made: list[ProcessGroupMesh] = []

@@ -23,8 +23,8 @@ from _workers_common import rss_kib
 
 from scopedmesh.c10d import closable as _closable
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.mesh.heal import LostRankError, agree_on_lost, reform
 from scopedmesh.mesh import ProcessGroupMesh
+from scopedmesh.mesh.heal import LostRankError, agree_on_lost, reform
 from scopedmesh.testing.launcher import world_context
 
 NAMES = ("dp", "tp")

@@ -111,9 +111,9 @@ def cli_argv(rng: random.Random) -> list[str]:
 
 def replay(seed: int, count: int) -> dict[str, Any]:
     """Run the corpus against a one-rank gloo world; needs no pytest and no hypothesis."""
-    from scopedmesh.plan.cli import main
-    from scopedmesh.mesh.interop import layout_of, to_device_mesh
     from scopedmesh.layout import MeshLayout
+    from scopedmesh.mesh.interop import layout_of, to_device_mesh
+    from scopedmesh.plan.cli import main
     from scopedmesh.testing import free_port
 
     dist.init_process_group(

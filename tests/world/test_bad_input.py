@@ -38,8 +38,8 @@ from probes import MESSAGE_LIMIT, nasty_values
 
 import scopedmesh
 import scopedmesh.testing.strategies as strategies
-from scopedmesh.plan.cli import main
 from scopedmesh.layout import MeshLayout
+from scopedmesh.plan.cli import main
 from scopedmesh.testing import run_world
 
 ROOT = Path(scopedmesh.__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ from hypothesis import strategies as hs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from scopedmesh import MeshClosedError, ProcessGroupMesh
+from scopedmesh import ProcessGroupMesh
 from scopedmesh.c10d import closable as _closable
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.device_mesh import ScopedDeviceMesh
@@ -383,4 +383,3 @@ def test_every_example_opens_a_mesh_and_uses_dtensor(
         assert y.to_local().tolist() == (a @ a.T).tolist()
         assert list(y.device_mesh._dim_group_names) == own_names(mesh)
     assert _c10d.live_group_count() == 1
-

@@ -134,7 +134,8 @@ def test_sweep_trains_every_layout_to_the_reference_losses(
     assert [(int(dp), int(tp)) for dp, tp, step, _ in rows if step == "0"] == list(sweep.LAYOUTS)
     sweep.main(["--reference", "--steps", "4"])
     reference = [
-        float(v) for v in re.findall(r"^reference step \d loss (\S+)$", capsys.readouterr().out, re.M)
+        float(v)
+        for v in re.findall(r"^reference step \d loss (\S+)$", capsys.readouterr().out, re.M)
     ]
     assert len(reference) == 4 and reference[-1] < reference[0]  # it does train
     for dp, tp, step, loss in rows:

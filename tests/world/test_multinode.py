@@ -26,8 +26,8 @@ from types import ModuleType
 
 import pytest
 
-from scopedmesh.plan.cli import main as cli
 from scopedmesh.layout import MeshLayout
+from scopedmesh.plan.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("dp", "pp", "tp")

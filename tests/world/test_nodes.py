@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
 from scopedmesh.layout.placement import node_aware_ranks
+from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
 from scopedmesh.testing import run_world
 
 # ------------------------------------------------------------ what each rank runs
