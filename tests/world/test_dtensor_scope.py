@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.torch_version import TorchVersion
 
 from scopedmesh import ProcessGroupMesh
 from scopedmesh.c10d import closable as _closable
@@ -332,9 +333,9 @@ def test_objects_kept_past_their_block_say_the_mesh_closed(world: list[dict[str,
             assert "which is closed" in kept[what]
         # FSDP2 keeps the dp group itself, not only the DeviceMesh, and torch checks the
         # group before calling it: where gloo groups are closable, the group's name says so.
-        assert kept["fsdp2_forward"] != "no error"
         if out["closable"]:
             assert "shut down when its mesh closed" in kept["fsdp2_forward"], kept
+        # else (torch 2.9): a destroyed gloo group still communicates, as torch's own do
         assert kept["local_add"] == "no error"  # no communication: the local shard only
         assert out["kept_left"] == 1
 
@@ -351,7 +352,10 @@ def test_a_compiled_graph_never_runs_on_a_closed_blocks_groups(
     world: list[dict[str, Any]],
 ) -> None:
     for out in world:
-        assert out["compiled"] == [True, True, True]
+        if TorchVersion(torch.__version__) >= "2.12":  # DeviceMesh is an opaque type to dynamo
+            assert out["compiled"] == [True, True, True]
+        else:  # dynamo takes only torch's own DeviceMesh class: it refuses, loudly, every time
+            assert all("ScopedDeviceMesh" in str(result) for result in out["compiled"])
 
 
 # ------------------------------------------------ hypothesis: a mesh per example
