@@ -12,6 +12,7 @@ import doctest
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,27 @@ def test_docstring_examples() -> None:
     for module in (report, run, cases, harness):
         failed, _ = doctest.testmod(module)
         assert failed == 0, module.__name__
+
+
+def test_dtensor_scope_benchmark_runs_every_case() -> None:
+    """``python -m benchmarks.dtensor_scope``: the four cases, each timed, in one short run."""
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dtensor_scope", "--rounds", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = re.findall(
+        r"^(torch warm|scoped warm|scoped after a close|torch cold) +(\S+) +(\S+)$",
+        run.stdout,
+        re.M,
+    )
+    assert [case for case, _, _ in rows] == [
+        "torch warm",
+        "scoped warm",
+        "scoped after a close",
+        "torch cold",
+    ], run.stdout
+    assert float(rows[0][2]) == 1.0 and all(float(ms) > 0 for _, ms, _ in rows)
