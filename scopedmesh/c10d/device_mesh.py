@@ -11,8 +11,8 @@ as ``torch.compile`` guards its graphs. Two meshes of the same structure over
 different groups (consecutive scoped blocks, two meshes open at once) would
 then share cache entries, and one block's work would run on the other block's
 groups. A :class:`ScopedDeviceMesh` adds a token of its groups' names, unique
-per incarnation, to that key; every DeviceMesh torch derives from it (slices, ``_flatten``,
-``_unflatten``) becomes one too; a group torch makes for ``_flatten`` or
+per incarnation, to that key; every DeviceMesh torch derives from it (slices,
+``_flatten``, ``_unflatten``) becomes one too; a group torch makes for ``_flatten`` or
 ``_unflatten`` is handed to the lifetime, which destroys it when the scope
 closes; and once the scope has closed, resolving any of its groups raises the
 lifetime's error (:class:`~scopedmesh.errors.MeshClosedError`).
@@ -76,9 +76,8 @@ class ScopedDeviceMesh(DeviceMesh):
     same incarnations (torch's own ``__eq__``, ``__hash__`` and compile guard see
     a token of them), so no torch cache keyed by a DeviceMesh, nor a compiled
     graph, can hand one scope's work to another scope's groups. After its scope
-    closes, any use
-    that resolves a group (DTensor's collectives, ``get_group``, FSDP2's
-    communication through the mesh) raises ``MeshClosedError``.
+    closes, any use that resolves a group (DTensor's collectives, ``get_group``,
+    slicing, ``_flatten``) raises ``MeshClosedError``. Copies are the mesh itself.
     """
 
     @property  # type: ignore[override]
