@@ -213,22 +213,32 @@ def caches_after_close(out: dict[str, Any]) -> None:
 
 def compiled_across_blocks(out: dict[str, Any]) -> None:
     """A function compiled once, called in three blocks with the DeviceMesh as an argument."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     def gather_rows(local: torch.Tensor, dm: DeviceMesh) -> torch.Tensor:
         x = DTensor.from_local(local, dm, [Shard(0), Replicate()])
         return x.redistribute(dm, [Replicate(), Replicate()]).to_local() * 2
 
+    def square(x: Any) -> Any:  # DTensor in and out; the mesh is never touched
+        return (x @ x).relu() * 2
+
     compiled = torch.compile(gather_rows, backend="aot_eager")
+    compiled_square = torch.compile(square, backend="aot_eager")
     local = A[2 * (dist.get_rank() // 4) : 2 * (dist.get_rank() // 4) + 2]
-    out["compiled"] = []
+    out["compiled"], out["compiled_dtensor"] = [], []
     for _ in range(3):
         with ProcessGroupMesh(2, 4, names=("dp", "tp")) as mesh:
+            dm = mesh.to_device_mesh("cpu")
             try:
-                y = compiled(local, mesh.to_device_mesh("cpu"))
+                y = compiled(local, dm)
                 out["compiled"].append(y.tolist() == (2 * A[:4]).tolist())
             except Exception as error:
                 out["compiled"].append(f"{type(error).__name__}: {str(error)[:300]}")
+            z = compiled_square(distribute_tensor(B, dm, [Shard(0), Replicate()]))
+            out["compiled_dtensor"].append(
+                z.full_tensor().tolist() == ((B @ B).relu() * 2).tolist()
+                and list(z.device_mesh._dim_group_names) == own_names(mesh)
+            )
 
 
 CASES = (
@@ -352,6 +362,7 @@ def test_a_compiled_graph_never_runs_on_a_closed_blocks_groups(
     world: list[dict[str, Any]],
 ) -> None:
     for out in world:
+        assert out["compiled_dtensor"] == [True, True, True]  # every release
         if TorchVersion(torch.__version__) >= "2.12":  # DeviceMesh is an opaque type to dynamo
             assert out["compiled"] == [True, True, True]
         else:  # dynamo takes only torch's own DeviceMesh class: it refuses, loudly, every time
