@@ -17,6 +17,7 @@ from typing import Any
 
 import _workers_mesh as workers
 import pytest
+import torch
 import torch.distributed as dist
 
 from scopedmesh import MeshClosedError
@@ -177,7 +178,7 @@ def test_dtensor_places_shard_k_at_coordinate_k_whatever_the_rank_order(
     tables = {"permuted": [3, 1, 7, 5, 0, 2, 6, 4], "round_robin": [0, 2, 4, 6, 1, 3, 5, 7]}
     shapes = {"permuted": (2, 4), "round_robin": (4, 2)}
     full = workers.DTENSOR_FULL
-    product = (workers.DTENSOR_FULL @ workers.DTENSOR_WEIGHT).tolist()  # one process
+    product = workers.DTENSOR_FULL @ workers.DTENSOR_WEIGHT  # one process
     for rank, f in enumerate(facts(world, "dtensor_any_order")):
         for label, table in tables.items():
             rows, cols = shapes[label]
@@ -188,7 +189,15 @@ def test_dtensor_places_shard_k_at_coordinate_k_whatever_the_rank_order(
             r, c = 8 // rows, 4 // cols
             assert got["local"] == full[dp * r : (dp + 1) * r, tp * c : (tp + 1) * c].tolist()
             assert got["full"] == full.tolist(), label
-            assert got["matmul"] == product, label
+            # Placement is what is tested: a shard on the wrong rank is off by whole numbers.
+            # The sum's rounding may differ with the plan DTensor picks (seen on torch 2.9.1).
+            torch.testing.assert_close(
+                torch.tensor(got["matmul"], dtype=torch.float64),
+                product,
+                rtol=1e-12,
+                atol=1e-12,
+                msg=label,
+            )
 
 
 def test_custom_ranks_permutation(world: list[dict[str, Any]]) -> None:
