@@ -46,6 +46,9 @@ def all_reduce_ranks(rank: int, world_size: int, pid_dir: str) -> dict[str, obje
 
 
 def raise_or_unpicklable(rank: int, world_size: int) -> object:
+    # Both ranks finish joining WORLD first: under load, rank 1 could otherwise raise and
+    # exit while rank 0 was still connecting to it (seen on a loaded compat run, 2.12.1).
+    dist.barrier()
     if rank == 1:
         raise ValueError("boom from rank 1")
     return threading.Lock()  # cannot be pickled
