@@ -13,7 +13,7 @@ member is on the slow path: it announces what it waits in
 it waits for:
 
 * a cycle of members, each waiting in a group the next has not requested
-  (its generation counter for that group is behind), is a certain deadlock:
+  (the key it waits on is still absent), is a certain deadlock:
   :class:`~scopedmesh.errors.GroupFormationError` at once, naming every rank's
   group and the order rule broken;
 * a member that waits for a rank whose process is gone (:func:`peer_alive`)
@@ -179,7 +179,6 @@ class Request:
 
     __slots__ = (
         "backend",
-        "counter",
         "description",
         "generation",
         "name",
@@ -188,6 +187,7 @@ class Request:
         "ranks",
         "site",
         "waits_for",
+        "waits_on",
         "what",
     )
 
@@ -201,14 +201,15 @@ class Request:
         backend: str,
         what: str,
         description: str,
-        counter: str,
         site: str = "",
         waits_for: int | None = None,
+        waits_on: str = "",
         process: dict[str, Any] | None = None,
     ) -> None:
         self.rank, self.name, self.generation = rank, name, generation
         self.ranks, self.backend, self.what, self.description = ranks, backend, what, description
-        self.counter, self.site, self.waits_for = counter, site, waits_for
+        self.site, self.waits_for = site, waits_for
+        self.waits_on = waits_on  # the store key it waits for: absent until waits_for arrives
         self.process = process or {}
 
     def to_text(self) -> str:
@@ -262,8 +263,7 @@ class Watch:
     """One member's watch over one formation: sliced waits, announcement, diagnosis.
 
     ``ranks`` are the members in group-rank order (gloo's key ``.../<k>`` is
-    ``ranks[k]``'s address). ``counter`` is the stem of the members' generation
-    counters (``<stem><rank>``). Everything lives on this object and in the store.
+    ``ranks[k]``'s address). Everything lives on this object and in the store.
     """
 
     def __init__(
@@ -277,7 +277,6 @@ class Watch:
         backend: str,
         what: str,
         description: str,
-        counter: str,
         grace: timedelta,
         timeout: timedelta,
     ) -> None:
@@ -299,7 +298,6 @@ class Watch:
             backend=backend,
             what=what,
             description=description,
-            counter=counter,
         )
 
     # -- the wait ------------------------------------------------------------
@@ -330,7 +328,7 @@ class Watch:
 
     def _slow(self, keys: list[str], waited: int | None) -> None:
         if waited is not None and waited != self.announced:
-            self._announce(waited)
+            self._announce(waited, keys[0])
         next_look = time.monotonic()
         pause = 0.01
         while True:
@@ -369,12 +367,12 @@ class Watch:
         if int(store.add(key, 1)) == 2 * size:
             store.delete_key(key)
 
-    def _announce(self, waited: int) -> None:
+    def _announce(self, waited: int, key: str) -> None:
         request = self.request
         if self.announced is None:
             request.site = call_site()
             request.process = this_process()
-        request.waits_for = waited
+        request.waits_for, request.waits_on = waited, key
         self.store.set(announcement_key(request.rank), request.to_text())
         self.announced = waited
 
@@ -399,21 +397,14 @@ class Watch:
 
     # -- diagnosis -----------------------------------------------------------
 
-    def _count(self, request: Request, rank: int) -> int:
-        """How many incarnations of ``request``'s group ``rank`` has started."""
-        text = read(self.store, f"{request.counter}{rank}")
-        try:
-            return int(text) if text is not None else 0
-        except ValueError:
-            return 0
-
     def diagnose(self, waited: int) -> GroupFormationError | None:
         """The error if the wait for ``waited`` can never end, else None (wait on).
 
-        Announcements are read first, then the counters that prove each edge
-        (the next rank has not started the group the previous waits in): at the
-        moment of the first counter read every member of the chain was in its
-        announced formation, and none can leave it without the next arriving.
+        Announcements are read first, then the keys that prove each edge (the
+        key a rank waits on is still absent: the next rank has not arrived in
+        its group): at the moment of the first of those reads every member of
+        the chain was in its announced formation, and none can leave it without
+        the next arriving.
         """
         chain = [self.request]
         index = {self.request.rank: 0}
@@ -441,10 +432,9 @@ class Watch:
             current = request.waits_for
         if loop is None:
             return None
-        for position, request in enumerate(chain):
-            following = chain[position + 1] if position + 1 < len(chain) else chain[loop]
-            if self._count(request, following.rank) >= request.generation:
-                return None  # the next one has started that group: not (yet) proven
+        for request in chain:
+            if not request.waits_on or self.store.check([request.waits_on]):
+                return None  # the one it waited for has arrived: not (yet) proven
         names = sorted(request.name for request in chain[loop:])
         digest = hashlib.sha1("|".join(names).encode(), usedforsecurity=False).hexdigest()[:20]
         self.cycle = (f"scopedmesh-deadlock/{digest}", len(names)) if loop == 0 else None
@@ -469,8 +459,9 @@ class Watch:
         """After the timeout: what each member that has not arrived is doing."""
         own = self.request
         lines: list[str] = []
-        for rank in self.ranks:
-            if rank == own.rank or self._count(own, rank) >= own.generation:
+        stem = self.request.waits_on.rsplit("/", 1)[0]
+        for position, rank in enumerate(self.ranks):
+            if rank == own.rank or (stem and self.store.check([f"{stem}/{position}"])):
                 continue
             if len(lines) == _LISTED:
                 lines.append("  ... (more members did not arrive)")

@@ -250,7 +250,6 @@ def new_member_group(
             backend=str(backend_enum),
             what=what or "the requested axes",
             description=description,
-            counter=group_name(ranks, str(backend_enum), 0) + "/generation/",
             grace=grace if grace is not None else DEFAULT_GRACE,
             timeout=group_timeout,
         )
