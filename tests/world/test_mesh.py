@@ -188,7 +188,10 @@ def test_dtensor_places_shard_k_at_coordinate_k_whatever_the_rank_order(
             r, c = 8 // rows, 4 // cols
             assert got["local"] == full[dp * r : (dp + 1) * r, tp * c : (tp + 1) * c].tolist()
             assert got["full"] == full.tolist(), label
-            assert got["matmul"] == product, label
+            # A sharded matmul sums in another order than one process does: equal to rounding.
+            assert len(got["matmul"]) == len(product), label
+            for row, expected in zip(got["matmul"], product):
+                assert row == pytest.approx(expected, rel=1e-12, abs=1e-12), label
 
 
 def test_custom_ranks_permutation(world: list[dict[str, Any]]) -> None:
