@@ -5,7 +5,8 @@
 
 1. **Counts.** A world of 8 gloo ranks, each rank's default store wrapped in a
    :class:`CountingStore`, forms groups of 2, 4 and 8 members three ways:
-   scopedmesh (``get_group_along_axis``), torch's own
+   scopedmesh (``get_group_along_axis``: a new mesh's first group, and a later group of
+   a mesh that has formed one already), torch's own
    ``new_group(ranks, use_local_synchronization=True)`` (each rank its own
    group) and ``init_device_mesh`` (every group of both dimensions, on every
    rank). Requests are split into scopedmesh's own (generation counters, the
@@ -37,8 +38,17 @@ from torch.distributed import distributed_c10d as c10d
 WORLD = 8
 SIZES = (2, 4, 8)
 # Keys scopedmesh's formation writes itself (see scopedmesh.c10d.groups: _next_generation,
-# _all_formed); everything else under a group's prefix is the backend's rendezvous.
-OWN_MARKERS = ("/generation/", "/formed", "/all-formed")
+# _all_formed; scopedmesh.c10d.diagnosis: the process record, and on the slow path the
+# announcement and a deadlock's agreement); everything else under a group's prefix is the
+# backend's rendezvous.
+OWN_MARKERS = (
+    "/generation/",
+    "/formed",
+    "/all-formed",
+    "scopedmesh-process/",
+    "scopedmesh-forming/",
+    "scopedmesh-deadlock/",
+)
 
 
 class CountingStore(dist.Store):
@@ -140,6 +150,15 @@ def _scopedmesh(rows: int, size: int) -> None:
         mesh.get_group_along_axis(1)
 
 
+def _scopedmesh_later(store: CountingStore, rows: int, size: int) -> dict[str, int]:
+    """A mesh's later group: the mesh has formed a group already (its process record is in)."""
+    from scopedmesh import ProcessGroupMesh
+
+    with ProcessGroupMesh(rows, size, timeout=60) as mesh:
+        mesh.get_group_along_axis((0, 1))  # every rank: the mesh's first group, not counted
+        return _counted(store, partial(mesh.get_group_along_axis, 1))
+
+
 def _new_group(rank: int, size: int, made: list[dist.ProcessGroup]) -> None:
     first = rank - rank % size
     made.append(dist.new_group(list(range(first, first + size)), use_local_synchronization=True))
@@ -154,6 +173,8 @@ def count_world(rank: int, world_size: int) -> dict[str, dict[int, dict[str, int
     for size in SIZES:
         rows = world_size // size
         out.setdefault("scopedmesh", {})[size] = _counted(store, partial(_scopedmesh, rows, size))
+        if rows > 1:  # with one row the later group is the first one, cached
+            out.setdefault("scopedmesh_later", {})[size] = _scopedmesh_later(store, rows, size)
         made: list[dist.ProcessGroup] = []
         out.setdefault("new_group", {})[size] = _counted(
             store, partial(_new_group, rank, size, made)
@@ -174,9 +195,11 @@ def counts() -> dict[str, dict[int, dict[str, int]]]:
 
     results = run_world(count_world, WORLD, timeout=600.0)
     table: dict[str, dict[int, dict[str, int]]] = {}
-    for way in ("scopedmesh", "new_group", "device_mesh"):
+    for way in ("scopedmesh", "scopedmesh_later", "new_group", "device_mesh"):
         table[way] = {}
         for size in SIZES:
+            if size not in results[0][way]:
+                continue
             per_rank = [r[way][size] for r in results]
             table[way][size] = {
                 key: sum(p[key] for p in per_rank) for key in ("own", "backend", "all", "bytes")

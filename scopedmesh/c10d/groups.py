@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from scopedmesh.c10d.diagnosis import DEFAULT_GRACE, Watch, WatchedStore
+from scopedmesh.c10d.diagnosis import record_process as _record_process
 from scopedmesh.c10d.names import RankMap, canonical_ranks, group_name
 from scopedmesh.errors import shown
 
@@ -50,6 +52,7 @@ __all__ = [
     "live_groups",
     "new_member_group",
     "private_path_supported",
+    "record_process",
     "unusable_backend",
 ]
 
@@ -184,6 +187,8 @@ def new_member_group(
     timeout: timedelta | None,
     pg_options: object | None,
     description: str,
+    what: str = "",
+    grace: timedelta | None = None,
 ) -> dist.ProcessGroup | None:
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
 
@@ -192,6 +197,12 @@ def new_member_group(
     returns for them (``None`` up to 2.13, ``GroupMember.NON_GROUP_MEMBER`` from 2.14).
     A backend that cannot run on this host (NCCL without a CUDA device) is a
     ``ValueError`` before any group is made.
+
+    A gloo group's rendezvous is watched (:mod:`scopedmesh.c10d.diagnosis`):
+    past ``grace`` (default 0.5 s) a member announces what it waits for and
+    raises :class:`~scopedmesh.errors.GroupFormationError` at once if the wait can
+    never end (a deadlock cycle, a dead peer); ``what`` names the group there
+    (``"axis 'tp'"``).
     """
     ranks = ranks if isinstance(ranks, range) else tuple(ranks)
     rank = dist.get_rank()
@@ -226,22 +237,43 @@ def new_member_group(
         )
 
         made_as = _closable.register() or backend_enum
+    group_timeout = timeout if timeout is not None else c10d._get_default_timeout(backend_enum)
+    watch = None
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
+    if backend_enum == dist.Backend.GLOO and not lazy:  # the rendezvous happens here: watch it
+        watch = Watch(
+            store,
+            rank=rank,
+            ranks=ranks,
+            name=name,
+            generation=generation,
+            backend=str(backend_enum),
+            what=what or "the requested axes",
+            description=description,
+            grace=grace if grace is not None else DEFAULT_GRACE,
+            timeout=group_timeout,
+        )
     try:
         group, prefix_store = c10d._new_process_group_helper(
             len(ranks),
             ranks.index(rank),
             ranks,
             made_as,
-            store,
+            WatchedStore(store, watch) if watch is not None else store,
             make_name(name),
-            timeout=timeout if timeout is not None else c10d._get_default_timeout(backend_enum),
+            timeout=group_timeout,
             device_id=default_pg.bound_device_id,
             group_desc=description,
             **{options_name: pg_options},
         )
     except Exception:
+        if watch is not None:
+            watch.finish()
+            watch.forget_written()  # this incarnation is abandoned: nobody reads its address
         _catch_up(ranks, str(backend_enum), generation)
         raise
+    if watch is not None:
+        watch.finish()
     if made_as != backend_enum:  # torch recorded the registry's name: record what it runs on
         c10d._world.pg_map[group] = (backend_enum, prefix_store)
         c10d._world.pg_backend_config[group] = f"cpu:{backend_enum}"
@@ -399,6 +431,11 @@ def _destroy(group: dist.ProcessGroup) -> bool:
 def live_group_count() -> int:
     """The number of process groups torch holds in this process, WORLD included."""
     return len(c10d._world.pg_map) if dist.is_initialized() else 0
+
+
+def record_process() -> None:
+    """Write who this rank is (host, process) to the store, for peers' diagnoses."""
+    _record_process(c10d._get_default_store(), dist.get_rank())
 
 
 def default_store() -> c10d.Store:

@@ -55,12 +55,16 @@ class GroupTable:
     map of live groups (read-only), kept here so that a cached lookup tests
     liveness with one ``in``. ``ordered`` says whether groups form with their
     members in mesh order (group rank ``k`` at position ``k``) or ascending.
+    ``grace`` (None: 0.5 s) is how long a member waits for its peers before it
+    announces what it waits for and looks for a deadlock or a dead peer.
     """
 
-    __slots__ = ("_entries", "live", "lock", "ordered")
+    __slots__ = ("_entries", "_recorded", "grace", "live", "lock", "ordered")
 
-    def __init__(self) -> None:
+    def __init__(self, grace: timedelta | None = None) -> None:
         self._entries: dict[GroupKey, Entry] = {}
+        self._recorded = False  # whether this rank's process record is in the store
+        self.grace = grace  # how long a member waits before it tells its peers what it waits for
         self.lock = threading.RLock()
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
@@ -95,13 +99,20 @@ class GroupTable:
         """
         ranks, backend = key
         try:
+            if not self._recorded and len(ranks) > 1 and backend != "fake":
+                _c10d.record_process()  # once per table: peers can tell if this rank dies
+                self._recorded = True
             group = _c10d.new_member_group(
                 ranks,
                 backend=backend,
                 timeout=timeout,
                 pg_options=options,
                 description=description,
+                what=what,
+                grace=self.grace,
             )
+        except GroupFormationError:  # diagnosed: the message already says it all
+            raise
         except RuntimeError as error:
             raise formation_error(backend, what, ranks, timeout, error) from error
         entry = Entry(key, group, options)

@@ -57,6 +57,12 @@ class ProcessGroupMesh:
             lacks (e.g. ``'nccl'`` on a CPU build) is a ``ValueError`` here.
         eager: make every single-axis group now. If that fails, the groups
             already made are destroyed before the error propagates.
+        grace: how long (``timedelta`` or seconds; default 0.5 s) a member
+            waits for its peers before it tells them, in the store, what it
+            waits for; then a deadlock cycle or a dead peer raises
+            :class:`GroupFormationError` at once instead of after ``timeout``
+            (docs/hazards.md, "When a group does not form"). Shared by the
+            mesh's sub-meshes and views.
 
     Lifetime rules: docs/lifetime.md (entering once, closing once and newest
     first, sub-meshes and views, groups destroyed behind the mesh's back, the
@@ -99,6 +105,7 @@ class ProcessGroupMesh:
         timeout: timedelta | float | None = None,
         pg_options: Any = None,
         eager: bool = False,
+        grace: timedelta | float | None = None,
     ) -> None:
         _require_world()
         if not shape:
@@ -111,7 +118,7 @@ class ProcessGroupMesh:
         layout = MeshLayout(dims, names, range(world_size) if ranks is None else ranks)  # type: ignore[arg-type]
         if ranks is not None:
             _check_in_world(max(ranks[0], ranks[-1]) if isinstance(ranks, range) else max(ranks))
-        self._open(layout, backend, timeout, pg_options, eager)
+        self._open(layout, backend, timeout, pg_options, eager, grace)
 
     @classmethod
     def from_layout(
@@ -122,6 +129,7 @@ class ProcessGroupMesh:
         timeout: timedelta | float | None = None,
         pg_options: Any = None,
         eager: bool = False,
+        grace: timedelta | float | None = None,
     ) -> _M:
         """A mesh over ``layout``: its shape, names and ranks (in its order), on this rank.
 
@@ -149,7 +157,7 @@ class ProcessGroupMesh:
         every = layout.compact_group((0,) * layout.ndim, tuple(range(layout.ndim)))
         _check_in_world(every[-1])  # ascending: the largest rank, O(ndim) for a range
         mesh = object.__new__(cls)
-        mesh._open(layout, backend, timeout, pg_options, eager)
+        mesh._open(layout, backend, timeout, pg_options, eager, grace)
         return mesh
 
     def _open(
@@ -159,8 +167,10 @@ class ProcessGroupMesh:
         timeout: object,
         pg_options: Any,
         eager: bool,
+        grace: object = None,
     ) -> None:
         """Set up a root mesh from checked arguments; with ``eager``, make its groups."""
+        checked_grace = None if grace is None else check_timeout(grace, "grace")
         self._init(
             layout,
             parent=None,
@@ -168,6 +178,7 @@ class ProcessGroupMesh:
             timeout=None if timeout is None else check_timeout(timeout),
             pg_options=pg_options,
         )
+        self._table.grace = checked_grace
         if eager:
             try:
                 self.create_groups()
@@ -293,6 +304,11 @@ class ProcessGroupMesh:
     def timeout(self) -> timedelta | None:
         """The default timeout of this mesh's groups, or None: torch's default."""
         return self._timeout
+
+    @property
+    def grace(self) -> timedelta | None:
+        """How long a member waits before it looks for a deadlock or a dead peer; None: 0.5 s."""
+        return self._table.grace
 
     @property
     def pg_options(self) -> Any:

@@ -121,7 +121,12 @@ def residue(mesh_shape: tuple[int, ...], cycles: int) -> dict[str, Any]:
         keys.append(store.num_keys())
         dist.barrier()
     listed = store.list_keys() if hasattr(store, "list_keys") else None  # older torch: no list
-    leftovers = [k for k in listed or () if "scopedmesh-" in k and "/generation/" not in k]
+    # Kept by design: generation counters and process records (one per rank; diagnosis.py).
+    leftovers = [
+        k
+        for k in listed or ()
+        if "scopedmesh-" in k and "/generation/" not in k and "scopedmesh-process/" not in k
+    ]
     return {
         "keys": keys,
         "bad_sums": bad,

@@ -43,7 +43,8 @@ def _reports(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 
 def test_store_keys_stay_flat_across_cycles(healed: dict[str, Any]) -> None:
-    """After the first cycle (which makes the generation counters) no cycle adds a key."""
+    """After the first cycle (which makes the generation counters and process records) no cycle
+    adds a key."""
     for rank, report in _reports(healed).items():
         keys = report["residue"]["keys"]
         assert report["residue"]["bad_sums"] == 0
