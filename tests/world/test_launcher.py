@@ -218,6 +218,7 @@ def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], name: st
 
 def environment_and_pid(rank: int, world_size: int, name: str) -> tuple[str | None, int]:
     """A rank's view of one environment variable, and its process id (run on the ranks)."""
+    dist.barrier()  # no rank leaves while a peer still connects (spawned ranks start apart)
     return os.environ.get(name), os.getpid()
 
 
