@@ -140,8 +140,15 @@ def train_step(mesh: ProcessGroupMesh, w: torch.Tensor, step: int) -> float:
 # ============================================================ one rank
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _fds() -> set[tuple[str, str]]:
+    """This process's open descriptors and what each points at (a socket's inode)."""
+    table = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            table.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the directory's own descriptor, closed by now
+            pass
+    return table
 
 
 def _threads() -> int:
@@ -236,7 +243,16 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     watch.close()
     watch.close()  # idempotent
     report["close_s"] = time.time() - closing
-    report["fds_left"], report["threads_left"] = _fds() - fds0, _threads() - threads0
+    # Descriptors opened since before the watch and still open: what it (or the mesh) leaked.
+    report["fds_left"] = len(_fds() - fds0)
+    # A joined thread leaves /proc/self/task a moment after join() returns.
+    settle = time.monotonic() + 2.0
+    while _threads() > threads0 and time.monotonic() < settle:
+        time.sleep(0.01)
+    report["threads_left"] = _threads() - threads0
+    report["thread_names"] = sorted(
+        Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
+    )
     return report
 
 
@@ -324,7 +340,7 @@ def check(result: dict[str, Any], victim: int, kill_step: int, steps: int) -> No
             continue
         if report["lost"] != [victim] or report["events"][0]["lost"] != [victim]:
             raise RuntimeError(f"rank {rank}: lost {report['lost']}, expected [{victim}]")
-        if report["fds_left"] > 0 or report["threads_left"] > 0:
+        if report["fds_left"] or report["threads_left"]:
             raise RuntimeError(f"rank {rank} left fds/threads behind: {report}")
         if "sat_out" in report["events"][0]:
             continue

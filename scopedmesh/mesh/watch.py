@@ -87,6 +87,15 @@ def _route_address() -> str:
         return "127.0.0.1"
 
 
+_ABSENT = "\x00absent"  # no key holds this value: compare_set answers it for a missing key
+
+
+def _peek(store: Any, key: str) -> str | None:
+    """``key``'s value, or None if it is missing; never waits (``get`` waits for the key)."""
+    value: str = store.compare_set(key, _ABSENT, _ABSENT).decode()
+    return None if value == _ABSENT else value
+
+
 class LivenessWatch:
     """Which members are alive, learned from their open sockets; aborts the meshes it guards.
 
@@ -379,12 +388,12 @@ class LivenessWatch:
         self._succ = None
         candidate = self._next_after(self.rank)
         while candidate is not None:
-            store = self._thread_store
-            if not store.check([self._key("addr", candidate)]):
+            address = _peek(self._thread_store, self._key("addr", candidate))
+            if address is None:
                 self._left.add(candidate)  # closed its watch cleanly
             else:
                 try:
-                    host, port = store.get(self._key("addr", candidate)).decode().rsplit(":", 1)
+                    host, port = address.rsplit(":", 1)
                     conn = socket.create_connection(
                         (host, int(port)), timeout=self._timeout.total_seconds()
                     )
@@ -392,7 +401,7 @@ class LivenessWatch:
                     self._succ = (candidate, conn)
                     return
                 except OSError:  # refused: nobody listens there any more
-                    if store.check([self._key("addr", candidate)]):
+                    if self._thread_store.check([self._key("addr", candidate)]):
                         self._declare(candidate)
                     else:
                         self._left.add(candidate)
