@@ -182,6 +182,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     mesh.create_groups(*NAMES)
     dist.barrier()  # every watch is linked, every group formed
     w = my_shard(mesh)
+    starts = (w.clone(), w.clone())
     steps = plan["steps"]
     kill = {int(r): s for r, s in plan.get("kill", {}).items()}
     sleep = {int(r): v for r, v in plan.get("sleep", {}).items()}
@@ -206,6 +207,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
                     os.kill(pid, signal.SIGSTOP)
                     time.sleep(stop[2])
                     os.kill(pid, signal.SIGCONT)
+                starts = (starts[1], w.clone())  # the weights at the last two step starts
                 loss = train_step(mesh, w, step)
                 losses.append([step, loss])
                 if events and "first_step_at" not in events[-1]:
@@ -219,7 +221,10 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
                 "message": str(error)[:300],
             }
             events.append(event)
-            tag = f"step{step}-{len(events)}"
+            # The same on every survivor: survivors can fail at different steps (a step's
+            # last messages from the dead rank may be lost on some peers, not others).
+            tag = f"event{len(events)}"
+            store.set(f"bench/{tag}/failed/{rank}", str(step))
             if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
                 store.set(f"{watch.prefix}/agree/{tag}/alive/{rank}", "1")
                 _die(report, outdir, rank)
@@ -230,6 +235,15 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
                 mesh = watch.guard(reform(mesh, lost, "dp"))
                 mesh.create_groups(*NAMES)
                 event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
+                # Resume from the earliest step a survivor failed at: a rank one step
+                # ahead takes back the weights it had at that step's start.
+                failed = [int(store.get(f"bench/{tag}/failed/{r}")) for r in mesh.layout.ranks]
+                resume = min(failed)
+                if step - resume > 1:
+                    raise RuntimeError(f"survivors failed at steps {failed}: more than one apart")
+                w.copy_(starts[0] if resume < step else w)
+                losses = [entry for entry in losses if entry[0] < resume]
+                event["resume"] = step = resume
             except LostRankError as sat_out:
                 event["sat_out"] = str(sat_out)[:200]
                 break
@@ -329,9 +343,24 @@ def phases(result: dict[str, Any], victim: int) -> list[float]:
     return [max(row[i] for row in rows) - died for i in range(len(PHASES))]
 
 
+def resume_step(result: dict[str, Any]) -> int:
+    """The step the survivors resumed from (one for all of them, or an error)."""
+    resumed = {
+        report["events"][0]["resume"]
+        for report in result["reports"].values()
+        if report.get("events") and "resume" in report["events"][0]
+    }
+    if len(resumed) != 1:
+        raise RuntimeError(f"survivors resumed from steps {sorted(resumed)}")
+    return resumed.pop()
+
+
 def check(result: dict[str, Any], victim: int, kill_step: int, steps: int) -> None:
     """Every survivor that trains on matches the reference; nothing left behind."""
-    expected = reference(steps, lambda s: 2 if s < kill_step else 1)
+    resume = resume_step(result)
+    if resume not in (kill_step - 1, kill_step):
+        raise RuntimeError(f"resumed from step {resume} after a kill at step {kill_step}")
+    expected = reference(steps, lambda s: 2 if s < resume else 1)
     reports = result["reports"]
     for rank, report in reports.items():
         if "unexpected" in report:

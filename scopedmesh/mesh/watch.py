@@ -272,6 +272,11 @@ class LivenessWatch:
         members = sorted(mesh.layout.ranks) if mesh is not None else list(self.ranks)
         if self.rank not in members:
             raise ValueError(f"this rank ({self.rank}) is not one of the mesh's ranks {members}")
+        unwatched = sorted(set(members).difference(self.ranks))
+        if unwatched:
+            raise ValueError(
+                f"mesh holds ranks {unwatched} that this watch does not watch {list(self.ranks)}"
+            )
         self._events += 1
         store, base = self._store, f"{self.prefix}/agree/{tag}"
         decision_key = f"{base}/decision"

@@ -49,7 +49,9 @@ def _shares_a_group(a: int, b: int) -> bool:
 
 def _check_healed(reports: dict[int, dict[str, Any]], dead: list[int]) -> None:
     """The other dp slice re-forms 1 x 2 x 2 and matches the reference; the dead slice sits out."""
-    expected = heal.reference(STEPS, lambda s: 2 if s < KILL_STEP else 1)
+    resume = heal.resume_step({"reports": reports})
+    assert resume in (KILL_STEP - 1, KILL_STEP)  # a step's last messages may not arrive
+    expected = heal.reference(STEPS, lambda s: 2 if s < resume else 1)
     dead_slice = {r for r in range(8) if LAYOUT.unravel(r)[0] == LAYOUT.unravel(dead[0])[0]}
     for rank, report in reports.items():
         if rank in dead:
@@ -91,7 +93,7 @@ def test_every_survivor_learns_of_a_sigkill_and_agrees(killed: dict[str, Any]) -
     for rank, report in reports.items():
         if rank != VICTIM:
             assert report["lost"] == [VICTIM], (rank, report["lost"])
-            assert report["events"][0]["step"] == KILL_STEP
+            assert report["events"][0]["step"] in (KILL_STEP - 1, KILL_STEP)
     _check_healed(reports, [VICTIM])
     learned = [reports[r]["learned"][str(VICTIM)] - died for r in reports if r != VICTIM]
     first = [
