@@ -239,36 +239,3 @@ def test_bad_arguments_name_the_argument_and_leave_the_store_usable(
         watch.agree(tag="late")
     leftover = [k for k in store.list_keys() if k.startswith("scopedmesh-watch/")]
     assert [k for k in leftover if "/count/" not in k] == []
-
-
-@pytest.mark.slow
-def test_soak_50_heals_leave_nothing_behind() -> None:
-    """50 worlds, each losing a random rank at a random step: every heal checked like the
-    benchmark's (the reference losses, fds, threads, store keys); the figures printed."""
-    import random
-    import statistics
-
-    rng = random.Random(50)
-    totals, keys = [], 0
-    for _ in range(50):
-        victim, step = rng.randrange(8), rng.randrange(1, 8)
-        result = heal.launch({"steps": 9, "kill": {str(victim): step}}, timeout=300)
-        heal.check(result, victim, step, 9)  # raises on a wrong loss or anything left behind
-        totals.append(heal.phases(result, victim)[-1])
-        keys += len(result["watch_keys"])
-        leftover = [
-            (r, rep["fds_left"], rep["threads_left"])
-            for r, rep in result["reports"].items()
-            if r != victim and (rep["fds_left"] or rep["threads_left"])
-        ]
-        assert leftover == []
-    assert keys == 0
-    _figure(
-        "soak: 50 SIGKILLs healed (8 ranks, 2x2x2)",
-        heals=len(totals),
-        median_s=round(statistics.median(totals), 3),
-        max_s=round(max(totals), 3),
-        fds_left=0,
-        threads_left=0,
-        store_keys_left=keys,
-    )
