@@ -29,11 +29,13 @@ if TYPE_CHECKING:
     from scopedmesh.mesh import ProcessGroupMesh
     from scopedmesh.mesh.heal import agree_on_lost, reform
     from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
+    from scopedmesh.mesh.watch import LivenessWatch
 
 __all__ = [
     "AxisError",
     "CoordinateError",
     "GroupFormationError",
+    "LivenessWatch",
     "LostRankError",
     "MeshClosedError",
     "MeshLayout",
@@ -53,6 +55,7 @@ __version__ = "0.1.0.dev0"
 _LAZY = MappingProxyType(
     {
         "ProcessGroupMesh": "scopedmesh.mesh",
+        "LivenessWatch": "scopedmesh.mesh.watch",
         "agree_on_lost": "scopedmesh.mesh.heal",
         "reform": "scopedmesh.mesh.heal",
         "node_aware_mesh": "scopedmesh.mesh.nodes",

@@ -95,6 +95,8 @@ class ClosableGroup(dist.ProcessGroup):
         # torch's stubs list only (store, rank, size); (rank, size) holds no store.
         super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
         self._inner: dist.ProcessGroup | None = inner
+        self._held: dist.ProcessGroup | None = None  # aborted while busy: kept until release
+        self._pending: list[dist.Work] | None = None  # None: not tracked (see track)
         self._released_because = ""
         self._name = ""
         self._desc = ""
@@ -115,6 +117,41 @@ class ClosableGroup(dist.ProcessGroup):
         if self._inner is not None:
             self._released_because = because
             self._inner = None
+        self._pending = None
+        self._held = None  # an aborted group's connections end here at the latest
+
+    def track(self) -> None:
+        """Remember the work of the collectives started from now on, for :meth:`interrupt`.
+
+        Off by default (a handle nobody interrupts pays nothing); a liveness watch
+        turns it on for the groups of the meshes it guards. Idempotent.
+        """
+        if self._pending is None and self._inner is not None:
+            self._pending = []
+
+    def interrupt(self, because: str) -> bool:
+        """Shut the group down from another thread, without waiting for a collective on it.
+
+        Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
+        If no collective is in flight (as far as :meth:`track` saw), the
+        connections close now, so peers blocked in a collective with this rank
+        raise at once; returns True. Otherwise gloo's destructor would wait for
+        that collective, so the group is kept until :meth:`release` (the mesh's
+        close) and False is returned: the collective in flight fails when a
+        peer's connections close. Local, idempotent.
+        """
+        inner = self._inner
+        if inner is None:
+            return self._held is None
+        pending = self._pending
+        busy = pending is None or any(not work.is_completed() for work in pending)
+        self._released_because = because
+        self._pending = None
+        if busy:
+            self._held = inner
+        self._inner = None
+        del inner  # not busy: the last reference, gloo closes its sockets here
+        return not busy
 
     def __repr__(self) -> str:
         # torch names a group it no longer knows by its repr ("Process group {pg}
@@ -188,7 +225,13 @@ def _forward(name: str) -> Any:
     """``name`` of the inner gloo group: a method or a property, as ``ProcessGroup`` has it."""
 
     def forward(self: ClosableGroup, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.inner(), name)(*args, **kwargs)
+        inner = self.inner()  # held until the work is recorded: interrupt() never drops it mid-call
+        result = getattr(inner, name)(*args, **kwargs)
+        pending = self._pending
+        if pending is not None and isinstance(result, dist.Work):  # tracked: see track()
+            pending[:] = [work for work in pending if not work.is_completed()]
+            pending.append(result)
+        return result
 
     forward.__name__ = forward.__qualname__ = name
     forward.__doc__ = f"``{name}`` of the inner gloo group; ``MeshClosedError`` once released."

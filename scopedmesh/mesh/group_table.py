@@ -149,6 +149,14 @@ class GroupTable:
                 errors.append(error)
         return errors
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The registered groups, oldest first, without taking :attr:`lock`.
+
+        For a liveness watch's thread, which must not wait for a formation that
+        holds the lock (copying the registry is atomic under the GIL).
+        """
+        return [entry.group for entry in list(self._entries.values()) if entry.group is not None]
+
 
 # Words of torch's store and gloo's transport when members did not meet in time.
 _MEETING_FAILURES = ("timeout", "timed out", "connection", "connect", "peer")

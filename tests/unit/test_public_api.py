@@ -13,6 +13,7 @@ def test_all_is_pinned() -> None:
         "AxisError",
         "CoordinateError",
         "GroupFormationError",
+        "LivenessWatch",
         "LostRankError",
         "MeshClosedError",
         "MeshLayout",

@@ -1,0 +1,418 @@
+"""Heal after a SIGKILL: how long from a rank's death to the first step on the re-formed mesh.
+
+    .venv/bin/python -m benchmarks.heal              # 20 kills, about 3 minutes on 2 cores
+    .venv/bin/python -m benchmarks.heal --kills 2    # the smoke run the suite does
+
+Each kill is a fresh world of 8 gloo ranks (forked, the store hosted by this
+process as torchrun's agent hosts it) training a 2 x 2 x 2 (dp, pp, tp) model:
+two pipeline stages, each a tp-sharded linear layer, data parallel over dp.
+Every rank runs a :class:`~scopedmesh.mesh.watch.LivenessWatch` (20 ms) guarding
+the mesh; at a random step a random rank SIGKILLs itself. Every survivor
+learns of it, its collective is aborted, the survivors agree on the lost set,
+re-form (the dead rank's dp slice sits out), form their groups and train on.
+Losses after healing must equal plain data parallelism computed here.
+
+Times are from the kill, per kill the latest survivor that goes on:
+``detect`` (its watch learned), ``abort`` (its training raised), ``agree``
+(the lost set decided), ``re-form`` (the new mesh's groups formed) and
+``first step`` (the first step completed on the re-formed mesh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh import LostRankError, ProcessGroupMesh, reform
+from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.testing.launcher import world_context
+
+SHAPE = (2, 2, 2)
+NAMES = ("dp", "pp", "tp")
+IN, HID, OUT, BATCH, LR = 8, 8, 4, 8, 0.05
+PHASES = ("detect", "abort", "agree", "re-form", "first step")
+
+
+# ============================================================ the model
+
+
+def batch(step: int, replica: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica ``replica`` of ``replicas``' data at ``step``: the same in every run."""
+    g = torch.Generator().manual_seed(1000003 * step + 1009 * replicas + replica)
+    x = torch.randn(BATCH, IN, generator=g, dtype=torch.float64)
+    w_true = torch.arange(OUT * IN, dtype=torch.float64).reshape(OUT, IN) / (OUT * IN)
+    return x, torch.tanh(x @ w_true.T)
+
+
+def initial_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    w1 = torch.randn(HID, IN, generator=g, dtype=torch.float64) * 0.3
+    w2 = torch.randn(OUT, HID, generator=g, dtype=torch.float64) * 0.3
+    return w1, w2
+
+
+def reference(steps: int, replicas_at: Callable[[int], int]) -> list[float]:
+    """The loss curve of plain data parallelism on one process: the truth to match."""
+    w1, w2 = initial_weights()
+    losses = []
+    for step in range(steps):
+        n = replicas_at(step)
+        g1, g2, total = torch.zeros_like(w1), torch.zeros_like(w2), 0.0
+        for replica in range(n):
+            x, y = batch(step, replica, n)
+            a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+            loss = ((x @ a.T @ b.T - y) ** 2).mean()
+            loss.backward()
+            assert a.grad is not None and b.grad is not None
+            g1 += a.grad
+            g2 += b.grad
+            total += float(loss.detach())
+        w1 -= LR * g1 / n
+        w2 -= LR * g2 / n
+        losses.append(total / n)
+    return losses
+
+
+def my_shard(mesh: ProcessGroupMesh) -> torch.Tensor:
+    """This rank's weights: stage 0 holds w1's tp columns, stage 1 w2's."""
+    w = initial_weights()[mesh.coordinate("pp")]
+    width = w.shape[1] // mesh.size("tp")
+    lo = mesh.coordinate("tp") * width
+    return w[:, lo : lo + width].clone()
+
+
+def _tp_sum(part: torch.Tensor, tp: dist.ProcessGroup | None) -> torch.Tensor:
+    full = part.detach().clone()
+    dist.all_reduce(full, group=tp)
+    return part + (full - part.detach())  # the tp sum, with the gradient of the local part
+
+
+def train_step(mesh: ProcessGroupMesh, w: torch.Tensor, step: int) -> float:
+    """One step: stage 0 -> stage 1 over pp, tp sums within a stage, dp averages; the loss."""
+    dp, pp, tp = (mesh.get_group_along_axis(a) for a in NAMES)
+    stage, replicas = mesh.coordinate("pp"), mesh.size("dp")
+    x, y = batch(step, mesh.coordinate("dp"), replicas)
+    width = w.shape[1]
+    lo = mesh.coordinate("tp") * width
+    shard = w.clone().requires_grad_(True)
+    hidden = torch.zeros(BATCH, HID, dtype=torch.float64)
+    if stage == 0:
+        part = x[:, lo : lo + width] @ shard.T
+        hidden = _tp_sum(part, tp)
+    sent = hidden.detach().clone()
+    dist.all_reduce(sent, group=pp)  # stage 0 sends h
+    back = torch.zeros(BATCH * HID + 1, dtype=torch.float64)
+    if stage == 1:
+        h = sent.requires_grad_(True)
+        out = _tp_sum(h[:, lo : lo + width] @ shard.T, tp)
+        loss = ((out - y) ** 2).mean()
+        loss.backward()
+        assert h.grad is not None
+        dh = h.grad.clone()
+        dist.all_reduce(dh, group=tp)  # the tp ranks' slices of dL/dh, disjoint
+        back = torch.cat([dh.flatten(), loss.detach().reshape(1)])
+    dist.all_reduce(back, group=pp)  # stage 1 sends dL/dh and the loss back
+    if stage == 0:
+        part.backward(back[:-1].reshape(BATCH, HID))
+    assert shard.grad is not None
+    packed = torch.cat([shard.grad.flatten(), back[-1:]])
+    dist.all_reduce(packed, group=dp)
+    packed /= replicas
+    w -= LR * packed[:-1].reshape(w.shape)
+    return float(packed[-1])
+
+
+# ============================================================ one rank
+
+
+def _fds() -> set[tuple[str, str]]:
+    """This process's open descriptors and what each points at (a socket's inode)."""
+    table = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            table.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the directory's own descriptor, closed by now
+            pass
+    return table
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _die(report: dict[str, Any], outdir: str, rank: int) -> None:
+    report["died_at"] = time.time()
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """Train; die, stall or heal as ``plan`` says; report times, losses, residue.
+
+    ``plan``: ``steps``; ``kill`` {rank: step} (SIGKILL itself before that step);
+    ``sleep`` {rank: [step, s]} (sleep before the step's first collective);
+    ``busy`` {rank: [step, s]} (a busy loop there); ``stop`` [rank, step, s] (rank 0
+    SIGSTOPs that rank for s seconds, then SIGCONTs it); ``die_checked_in`` rank
+    (on the first error, check in to the agreement, then SIGKILL itself);
+    ``slow_agree`` {rank: s} (sleep before agreeing); ``interval``.
+    """
+    report: dict[str, Any] = {"rank": rank}
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"bench/pid/{rank}", str(os.getpid()))
+    dist.barrier()
+    fds0, threads0 = _fds(), _threads()
+    watch = LivenessWatch(interval=plan.get("interval", 0.02), timeout=60)
+    report["threads_running"] = _threads() - threads0
+    mesh = watch.guard(ProcessGroupMesh(*SHAPE, names=NAMES, timeout=60))
+    mesh.create_groups(*NAMES)
+    dist.barrier()  # every watch is linked, every group formed
+    w = my_shard(mesh)
+    starts = (w.clone(), w.clone())
+    steps = plan["steps"]
+    kill = {int(r): s for r, s in plan.get("kill", {}).items()}
+    sleep = {int(r): v for r, v in plan.get("sleep", {}).items()}
+    busy = {int(r): v for r, v in plan.get("busy", {}).items()}
+    stop = plan.get("stop")
+    losses: list[list[float]] = []
+    events: list[dict[str, Any]] = []
+    step = 0
+    while step < steps:
+        try:
+            while step < steps:
+                if kill.get(rank) == step:
+                    _die(report, outdir, rank)
+                if rank in sleep and sleep[rank][0] == step:
+                    time.sleep(sleep[rank][1])
+                if rank in busy and busy[rank][0] == step:
+                    end = time.monotonic() + busy[rank][1]
+                    while time.monotonic() < end:
+                        pass
+                if stop is not None and rank == 0 and stop[1] == step:
+                    pid = int(store.get(f"bench/pid/{stop[0]}"))
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(stop[2])
+                    os.kill(pid, signal.SIGCONT)
+                starts = (starts[1], w.clone())  # the weights at the last two step starts
+                loss = train_step(mesh, w, step)
+                losses.append([step, loss])
+                if events and "first_step_at" not in events[-1]:
+                    events[-1]["first_step_at"] = time.time()
+                step += 1
+        except RuntimeError as error:
+            event: dict[str, Any] = {
+                "step": step,
+                "error_at": time.time(),
+                "type": type(error).__name__,
+                "message": str(error)[:300],
+            }
+            events.append(event)
+            # The same on every survivor: survivors can fail at different steps (a step's
+            # last messages from the dead rank may be lost on some peers, not others).
+            tag = f"event{len(events)}"
+            store.set(f"bench/{tag}/failed/{rank}", str(step))
+            if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
+                store.set(f"{watch.prefix}/agree/{tag}/alive/{rank}", "1")
+                _die(report, outdir, rank)
+            time.sleep(plan.get("slow_agree", {}).get(str(rank), 0))
+            try:
+                lost = watch.agree(mesh, tag=tag)
+                event["agreed_at"], event["lost"] = time.time(), sorted(lost)
+                mesh = watch.guard(reform(mesh, lost, "dp"))
+                mesh.create_groups(*NAMES)
+                event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
+                # Resume from the earliest step a survivor failed at: a rank one step
+                # ahead takes back the weights it had at that step's start.
+                failed = [int(store.get(f"bench/{tag}/failed/{r}")) for r in mesh.layout.ranks]
+                resume = min(failed)
+                if step - resume > 1:
+                    raise RuntimeError(f"survivors failed at steps {failed}: more than one apart")
+                w.copy_(starts[0] if resume < step else w)
+                losses = [entry for entry in losses if entry[0] < resume]
+                event["resume"] = step = resume
+            except LostRankError as sat_out:
+                event["sat_out"] = str(sat_out)[:200]
+                break
+    mesh.close()
+    report["losses"] = losses
+    report["events"] = events
+    report["lost"] = sorted(watch.lost())
+    report["learned"] = {r: watch.learned_at(r) for r in watch.lost()}
+    report["aborted"] = {r: watch.aborted_at(r) for r in watch.lost()}
+    closing = time.time()
+    watch.close()
+    watch.close()  # idempotent
+    report["close_s"] = time.time() - closing
+    # Descriptors opened since before the watch and still open: what it (or the mesh) leaked.
+    report["fds_left"] = len(_fds() - fds0)
+    # A joined thread leaves /proc/self/task a moment after join() returns.
+    settle = time.monotonic() + 2.0
+    while _threads() > threads0 and time.monotonic() < settle:
+        time.sleep(0.01)
+    report["threads_left"] = _threads() - threads0
+    report["thread_names"] = sorted(
+        Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
+    )
+    return report
+
+
+# ============================================================ a world whose store lives here
+
+
+def _child(
+    fn: Callable[..., dict[str, Any]], rank: int, world: int, port: int, outdir: str, plan: Any
+) -> None:
+    report: dict[str, Any]
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        report = fn(rank, world, outdir, plan)
+    except BaseException:
+        report = {"unexpected": traceback.format_exc()}
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    os._exit(0)  # a world with a dead member cannot tear down together
+
+
+def launch(plan: dict[str, Any], world: int = 8, timeout: float = 300.0) -> dict[str, Any]:
+    """Run :func:`rank_main` on ``world`` forked ranks; the reports, exit codes, store keys left."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with TemporaryDirectory() as outdir:
+        ctx = world_context()
+        procs = [
+            ctx.Process(target=_child, args=(rank_main, r, world, store.port, outdir, plan))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        reports = {
+            int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")
+        }
+    keys = [k for k in store.list_keys() if k.startswith("scopedmesh-watch/")]
+    return {
+        "reports": reports,
+        "exitcodes": {r: p.exitcode for r, p in enumerate(procs)},
+        "watch_keys": sorted(k for k in keys if "/count/" not in k),
+    }
+
+
+def phases(result: dict[str, Any], victim: int) -> list[float]:
+    """Seconds from the kill to each phase, for the latest survivor that trains on."""
+    reports = result["reports"]
+    died = reports[victim]["died_at"]
+    rows = []
+    for report in reports.values():
+        events = report.get("events") or []
+        if not events or "first_step_at" not in events[-1]:
+            continue
+        event = events[0]
+        learned = report["learned"][str(victim)]
+        rows.append(
+            [
+                learned,
+                event["error_at"],
+                event["agreed_at"],
+                event["reformed_at"],
+                event["first_step_at"],
+            ]
+        )
+    return [max(row[i] for row in rows) - died for i in range(len(PHASES))]
+
+
+def resume_step(result: dict[str, Any]) -> int:
+    """The step the survivors resumed from (one for all of them, or an error)."""
+    resumed = {
+        report["events"][0]["resume"]
+        for report in result["reports"].values()
+        if report.get("events") and "resume" in report["events"][0]
+    }
+    if len(resumed) != 1:
+        raise RuntimeError(f"survivors resumed from steps {sorted(resumed)}")
+    return resumed.pop()
+
+
+def check(result: dict[str, Any], victim: int, kill_step: int, steps: int) -> None:
+    """Every survivor that trains on matches the reference; nothing left behind."""
+    resume = resume_step(result)
+    if resume not in (kill_step - 1, kill_step):
+        raise RuntimeError(f"resumed from step {resume} after a kill at step {kill_step}")
+    expected = reference(steps, lambda s: 2 if s < resume else 1)
+    reports = result["reports"]
+    for rank, report in reports.items():
+        if "unexpected" in report:
+            raise RuntimeError(f"rank {rank} failed:\n{report['unexpected']}")
+        if rank == victim:
+            continue
+        if report["lost"] != [victim] or report["events"][0]["lost"] != [victim]:
+            raise RuntimeError(f"rank {rank}: lost {report['lost']}, expected [{victim}]")
+        if report["fds_left"] or report["threads_left"]:
+            raise RuntimeError(f"rank {rank} left fds/threads behind: {report}")
+        if "sat_out" in report["events"][0]:
+            continue
+        for step, loss in report["losses"]:
+            if abs(loss - expected[step]) > 1e-9 * max(1.0, abs(expected[step])):
+                raise RuntimeError(f"rank {rank} step {step}: loss {loss} != {expected[step]}")
+        if [s for s, _ in report["losses"]] != list(range(steps)):
+            raise RuntimeError(f"rank {rank} trained steps {report['losses']}")
+    if result["watch_keys"]:
+        raise RuntimeError(f"the watches left store keys: {result['watch_keys'][:10]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=2026)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    rows = []
+    print(
+        f"{'kill':>4} {'rank':>4} {'step':>4} " + " ".join(f"{p:>10}" for p in PHASES), flush=True
+    )
+    for kill in range(args.kills):
+        victim, step = rng.randrange(8), rng.randrange(1, args.steps - 1)
+        plan = {"steps": args.steps, "kill": {str(victim): step}}
+        result = launch(plan)
+        check(result, victim, step, args.steps)
+        row = phases(result, victim)
+        rows.append(row)
+        print(
+            f"{kill + 1:>4} {victim:>4} {step:>4} " + " ".join(f"{t:>10.3f}" for t in row),
+            flush=True,
+        )
+    totals = [row[-1] for row in rows]
+    medians = [statistics.median(row[i] for row in rows) for i in range(len(PHASES))]
+    print(
+        f"heal: median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
+        f"{len(rows)} kills (detect {medians[0]:.3f}, abort {medians[1]:.3f}, agree "
+        f"{medians[2]:.3f}, re-form {medians[3]:.3f}, first step {medians[4]:.3f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

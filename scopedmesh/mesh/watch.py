@@ -1,0 +1,550 @@
+"""Liveness from open sockets: every rank learns of a death in milliseconds, and the mesh stops.
+
+The rule: **a rank is alive while its process holds its sockets open.** A
+SIGKILLed process's sockets are closed by the kernel at once, so a peer holding
+a TCP connection to it reads end-of-file within milliseconds. A rank that is
+stopped (SIGSTOP), descheduled or in a long computation keeps its sockets open:
+it is never declared lost, however long it takes. No heartbeat, no deadline.
+
+A :class:`LivenessWatch` is opt-in and held by the caller; while it runs, each
+process has one more thread (none before, none after). Each member listens on
+a socket, publishes its address in torch's store, and connects to its
+successor among the members still alive (a ring). End-of-file from a peer that
+sent no goodbye declares it lost in the store (``<prefix>/lost/<rank>``, the
+list ``<prefix>/lost`` and an ``add`` on the counter ``<prefix>/deaths``); the
+watcher then links to the next alive member, so a second death is seen too.
+Every watch polls the counter: **one store request per rank per** ``interval``
+(50 a second per rank at the default 20 ms). On learning of a death it aborts
+the guarded meshes that hold the dead rank: their gloo groups shut down, so a
+rank blocked in a collective with healthy peers raises at once instead of
+waiting for the collective's timeout (see :meth:`ClosableGroup.interrupt
+<scopedmesh.c10d.closable.ClosableGroup.interrupt>`).
+
+:meth:`LivenessWatch.agree` settles the lost set, bounded by liveness: it
+completes once every member has checked in or been declared lost, and the
+first decision written (``compare_set``) is the one every survivor reads.
+
+>>> LivenessWatch(interval=0)
+Traceback (most recent call last):
+    ...
+ValueError: interval must be a positive number of seconds (at most 60), got 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.errors import LostRankError, shown
+from scopedmesh.layout import Axis
+from scopedmesh.layout.ints import is_int
+from scopedmesh.mesh.heal import _check_tag, _sorted_ranks, reform
+from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
+
+__all__ = ["LivenessWatch"]
+
+MAX_INTERVAL = 60.0  # seconds: an interval longer than this is a mistake, not a choice
+ROOT = "scopedmesh-watch"  # every key a watch writes starts with this
+
+
+def _check_interval(interval: object) -> float:
+    """``interval`` as positive finite seconds (at most :data:`MAX_INTERVAL`), or an error."""
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+        raise TypeError(f"interval must be a number of seconds, got {shown(interval)}")
+    seconds = float(interval) if abs(interval) < 1e300 else math.inf
+    if not (0 < seconds <= MAX_INTERVAL):  # NaN fails this too
+        raise ValueError(
+            f"interval must be a positive number of seconds (at most {MAX_INTERVAL:g}), "
+            f"got {shown(interval)}"
+        )
+    return seconds
+
+
+def _route_address() -> str:
+    """This host's address on the route to ``MASTER_ADDR`` (127.0.0.1 without one); no traffic."""
+    import os
+
+    master = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))  # UDP connect picks a route, sends nothing
+            address: str = probe.getsockname()[0]
+            return address
+    except OSError:
+        return "127.0.0.1"
+
+
+_ABSENT = "\x00absent"  # no key holds this value: compare_set answers it for a missing key
+
+
+def _peek(store: Any, key: str) -> str | None:
+    """``key``'s value, or None if it is missing; never waits (``get`` waits for the key)."""
+    value: str = store.compare_set(key, _ABSENT, _ABSENT).decode()
+    return None if value == _ABSENT else value
+
+
+class LivenessWatch:
+    """Which members are alive, learned from their open sockets; aborts the meshes it guards.
+
+    ``ranks`` are the members (global ranks; all of WORLD by default); every
+    member makes its watches in the same order. ``interval`` is how often the
+    store's death counter is read (one request per rank per interval), and how
+    often :meth:`agree` looks at the store. ``timeout`` bounds every wait (the
+    successor's address at start, an agreement): a long safety net, not a
+    liveness rule. ``host`` is the address this rank listens on (default: the
+    one on the route to ``MASTER_ADDR``). ``store`` defaults to torch's default
+    store; the watch talks to it over connections of its own (``clone``).
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> with LivenessWatch(interval=0.05) as watch:
+    ...     watch.lost(), watch.is_alive(0)
+    (frozenset(), True)
+    >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        ranks: Iterable[int] | None = None,
+        *,
+        interval: float = 0.02,
+        timeout: timedelta | float = 60.0,
+        host: str | None = None,
+        store: Any = None,
+    ) -> None:
+        self._closed = True  # until the thread runs: close() has nothing to stop
+        self._interval = _check_interval(interval)
+        self._timeout = check_timeout(timeout)
+        if host is not None and (not isinstance(host, str) or not host):
+            raise TypeError(f"host must be a non-empty str or None, got {shown(host)}")
+        if store is not None and not isinstance(store, dist.Store):  # type: ignore[attr-defined]
+            raise TypeError(f"store must be a torch.distributed Store or None, got {shown(store)}")
+        world = dist.get_world_size()
+        members = list(range(world)) if ranks is None else _sorted_ranks(ranks)
+        if not members:
+            raise ValueError("ranks must hold at least one rank")
+        if members[-1] >= world:
+            raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
+        self.rank = dist.get_rank()
+        if self.rank not in members:
+            raise ValueError(f"this rank ({self.rank}) must be one of ranks {shown(members)}")
+        self.ranks: tuple[int, ...] = tuple(members)
+        base: Any = store if store is not None else _c10d.default_store()
+        self._store: Any = base.clone()  # the caller's thread
+        self._thread_store: Any = base.clone()  # the watch thread's: never behind a caller's wait
+        seconds = self._timeout.total_seconds()
+        self._store.set_timeout(self._timeout)
+        self._thread_store.set_timeout(self._timeout)
+        self.prefix = f"{ROOT}/{self._store.add(f'{ROOT}/count/{self.rank}', 1)}"
+        self._lost: frozenset[int] = frozenset()
+        self._learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
+        self._aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
+        self._meshes: tuple[ProcessGroupMesh, ...] = ()
+        self._events = 0
+        self._failure: BaseException | None = None
+        self._listener = socket.create_server((host or _route_address(), 0), backlog=len(members))
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._peers: dict[socket.socket, list[Any]] = {}  # socket -> [rank or None, buffer]
+        self._succ: tuple[int, socket.socket] | None = None
+        self._left: set[int] = set()
+        try:
+            address = "{}:{}".format(*self._listener.getsockname()[:2])
+            self._store.set(self._key("addr", self.rank), address)
+            successor = self._next_after(self.rank)
+            if successor is not None:
+                try:
+                    self._store.wait([self._key("addr", successor)], self._timeout)
+                except Exception as error:
+                    raise TimeoutError(
+                        f"liveness watch: rank {successor} (this rank's successor) published no "
+                        f"address within {seconds:g} s; start a LivenessWatch on every rank of "
+                        f"{list(members)}, in the same order"
+                    ) from error
+                self._link(successor)
+        except BaseException:
+            self._shut_sockets(goodbye=False)
+            with contextlib.suppress(Exception):
+                self._store.delete_key(self._key("addr", self.rank))
+            raise
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"scopedmesh-liveness-{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ queries
+
+    def lost(self) -> frozenset[int]:
+        """The members this process has learned are dead (never shrinks)."""
+        return self._lost
+
+    def is_alive(self, rank: int) -> bool:
+        """Whether ``rank`` (a member) is alive: its sockets are open, as far as known.
+
+        A slow, stopped or busy rank is alive. This is the one notion of alive
+        the library has; code that must tell a dead peer from a slow one asks here.
+        """
+        if not is_int(rank):
+            raise TypeError(f"rank must be an int rank, got {shown(rank)}")
+        if rank not in self.ranks:
+            raise ValueError(
+                f"rank must be one of this watch's ranks {list(self.ranks)}, got {rank}"
+            )
+        return rank not in self._lost
+
+    def learned_at(self, rank: int) -> float | None:
+        """``time.time()`` when this process learned that ``rank`` died, or None."""
+        return self._learned.get(rank)
+
+    def aborted_at(self, rank: int) -> float | None:
+        """``time.time()`` when the guarded meshes holding ``rank`` were aborted here, or None."""
+        return self._aborted.get(rank)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (the thread is gone, the sockets are closed)."""
+        return self._closed
+
+    # ------------------------------------------------------------------ guarding
+
+    def guard(self, mesh: ProcessGroupMesh) -> ProcessGroupMesh:
+        """Abort ``mesh`` (its gloo groups, its sub-meshes' too) when one of its ranks dies.
+
+        Returns ``mesh``. Collectives in flight on it then raise (their peers'
+        connections close); later ones raise ``MeshClosedError``; close the
+        mesh as usual (``reform`` does). A mesh that holds a rank already
+        known lost is aborted at once.
+        """
+        if not isinstance(mesh, ProcessGroupMesh):
+            raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
+        self._check_open()
+        self._meshes = (*[m for m in self._meshes if not m.closed], mesh)
+        self._track()
+        dead = self._lost.intersection(mesh.layout.ranks)
+        if dead:
+            self._abort(mesh, dead)
+        return mesh
+
+    # ------------------------------------------------------------------ agreement
+
+    def agree(
+        self,
+        mesh: ProcessGroupMesh | None = None,
+        *,
+        tag: str | None = None,
+        timeout: timedelta | float | None = None,
+    ) -> frozenset[int]:
+        """The lost ranks among ``mesh``'s ranks (default: the watch's), the same on every survivor.
+
+        Each survivor checks in (``<prefix>/agree/<tag>/alive/<rank>``); once every
+        rank is accounted for, checked in or declared lost by its watcher, a
+        survivor writes the lost set with ``compare_set`` and every survivor
+        returns the first one written. A slow rank is waited for, never
+        declared lost; a rank that dies meanwhile is declared and counted. If a
+        rank that checked in dies after the decision, its death aborts the
+        re-formed mesh and the survivors agree again (a new ``tag``), never on
+        two answers. ``tag`` defaults to this watch's count of agreements (the
+        same on every survivor that took part in all of them). A rank the
+        decision counts as lost gets :class:`LostRankError`. Waits at most
+        ``timeout`` (default: the watch's), then raises ``TimeoutError`` naming
+        the ranks still unaccounted for.
+        """
+        self._check_open()
+        if mesh is not None and not isinstance(mesh, ProcessGroupMesh):
+            raise TypeError(f"mesh must be a ProcessGroupMesh or None, got {shown(mesh)}")
+        limit = self._timeout if timeout is None else check_timeout(timeout)
+        if tag is None:
+            tag = f"event{self._events}"
+        _check_tag(tag)
+        members = sorted(mesh.layout.ranks) if mesh is not None else list(self.ranks)
+        if self.rank not in members:
+            raise ValueError(f"this rank ({self.rank}) is not one of the mesh's ranks {members}")
+        unwatched = sorted(set(members).difference(self.ranks))
+        if unwatched:
+            raise ValueError(
+                f"mesh holds ranks {unwatched} that this watch does not watch {list(self.ranks)}"
+            )
+        self._events += 1
+        store, base = self._store, f"{self.prefix}/agree/{tag}"
+        decision_key = f"{base}/decision"
+        store.append(f"{self.prefix}/tags", tag + "\n")
+        store.set(f"{base}/alive/{self.rank}", "1")
+        deadline = time.monotonic() + limit.total_seconds()
+        registered = {self.rank}
+        while True:
+            if store.check([decision_key]):
+                decision = store.get(decision_key).decode()
+                break
+            registered |= {
+                r for r in members if r not in registered and store.check([f"{base}/alive/{r}"])
+            }
+            lost = self._lost.intersection(members)
+            missing = [r for r in members if r not in registered and r not in lost]
+            if not missing:
+                proposal = "lost:" + ",".join(str(r) for r in sorted(lost))
+                decision = store.compare_set(decision_key, "", proposal).decode()
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"agreement {tag!r}: ranks {missing} neither checked in nor were declared "
+                    f"lost within {limit.total_seconds():g} s; they are alive (their sockets "
+                    "are open): every survivor must call agree with the same tag"
+                )
+            time.sleep(self._interval)
+        agreed = frozenset(int(r) for r in decision.removeprefix("lost:").split(",") if r)
+        if self.rank in agreed:
+            raise LostRankError(
+                f"rank {self.rank} was declared lost (lost ranks {sorted(agreed)}): its "
+                "connections closed; it must not join the re-formed mesh"
+            )
+        return agreed
+
+    def heal(
+        self, mesh: ProcessGroupMesh, axis: Axis, *, tag: str | None = None
+    ) -> ProcessGroupMesh:
+        """Agree on the lost ranks of ``mesh``, re-form it along ``axis`` and guard the result.
+
+        ``reform(mesh, self.agree(mesh, tag=tag), axis)``, then :meth:`guard`.
+        A rank that loses its place gets :class:`LostRankError` (``mesh`` is closed).
+        """
+        lost = self.agree(mesh, tag=tag)
+        return self.guard(reform(mesh, lost, axis))
+
+    # ------------------------------------------------------------------ lifetime
+
+    def __enter__(self) -> LivenessWatch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop: say goodbye to the peers, join the thread, close the sockets; idempotent.
+
+        The last member to close deletes the watch's keys (a per-rank counter
+        of watches, ``<root>/count/<rank>``, stays, as group generations do).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._store.delete_key(self._key("addr", self.rank))  # a late connector sees "left"
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(self._timeout.total_seconds())
+        self._meshes = ()
+        try:
+            self._clean_up()
+        finally:
+            self._store = self._thread_store = None  # closes both connections
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running"
+        return f"<LivenessWatch rank {self.rank} of {list(self.ranks)}, {state}, lost {sorted(self._lost)}>"
+
+    # ------------------------------------------------------------------ internals
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}/{kind}/{rank}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; make a new LivenessWatch")
+
+    def _next_after(self, rank: int) -> int | None:
+        """The member after ``rank`` in ring order that is not known dead or gone, or None."""
+        order = self.ranks
+        start = order.index(rank)
+        for step in range(1, len(order)):
+            candidate = order[(start + step) % len(order)]
+            if candidate == self.rank:
+                return None
+            if candidate not in self._lost and candidate not in self._left:
+                return candidate
+        return None
+
+    def _link(self, rank: int) -> None:
+        """Connect to ``rank``'s listener and say who we are (raises OSError if refused)."""
+        host, port = self._store.get(self._key("addr", rank)).decode().rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)), timeout=self._timeout.total_seconds())
+        conn.sendall(f"H{self.rank}\n".encode())
+        self._succ = (rank, conn)
+
+    def _relink(self) -> None:
+        """Watch the next alive member after this one (thread only)."""
+        self._succ = None
+        candidate = self._next_after(self.rank)
+        while candidate is not None:
+            address = _peek(self._thread_store, self._key("addr", candidate))
+            if address is None:
+                self._left.add(candidate)  # closed its watch cleanly
+            else:
+                try:
+                    host, port = address.rsplit(":", 1)
+                    conn = socket.create_connection(
+                        (host, int(port)), timeout=self._timeout.total_seconds()
+                    )
+                    conn.sendall(f"H{self.rank}\n".encode())
+                    self._succ = (candidate, conn)
+                    return
+                except OSError:  # refused: nobody listens there any more
+                    if self._thread_store.check([self._key("addr", candidate)]):
+                        self._declare(candidate)
+                    else:
+                        self._left.add(candidate)
+            candidate = self._next_after(self.rank)
+
+    def _declare(self, rank: int) -> None:
+        """Write ``rank``'s death to the store (once, whoever sees it first) and learn it."""
+        store, me = self._thread_store, str(self.rank)
+        if store.compare_set(self._key("lost", rank), "", me).decode() == me:
+            store.append(f"{self.prefix}/lost", f"{rank},")
+            store.add(f"{self.prefix}/deaths", 1)
+        self._learn({rank})
+
+    def _learn(self, dead: set[int]) -> None:
+        new = dead - self._lost
+        if not new:
+            return
+        now = time.time()
+        for rank in new:
+            self._learned[rank] = now
+        self._lost = self._lost | new
+        for mesh in self._meshes:
+            hit = new.intersection(mesh.layout.ranks)
+            if hit and not mesh.closed:
+                self._abort(mesh, hit)
+
+    def _abort(self, mesh: ProcessGroupMesh, dead: Iterable[int]) -> None:
+        closable = sys.modules.get("scopedmesh.c10d.closable")
+        dead = sorted(dead)
+        because = f"when the liveness watch learned that rank(s) {dead} died"
+        for group in mesh._table.groups():
+            if closable is not None and isinstance(group, closable.ClosableGroup):
+                group.interrupt(because)
+        now = time.time()
+        for rank in dead:
+            self._aborted.setdefault(rank, now)
+
+    def _track(self) -> None:
+        closable = sys.modules.get("scopedmesh.c10d.closable")
+        if closable is None:
+            return
+        for mesh in self._meshes:
+            if not mesh.closed:
+                for group in mesh._table.groups():
+                    if isinstance(group, closable.ClosableGroup):
+                        group.track()
+
+    def _run(self) -> None:
+        seen = 0
+        next_poll = time.monotonic()
+        while True:
+            watched = [self._listener, self._wake_r, *self._peers]
+            if self._succ is not None:
+                watched.append(self._succ[1])
+            wait = max(0.0, next_poll - time.monotonic())
+            try:
+                readable, _, _ = select.select(watched, [], [], wait)
+                if self._wake_r in readable:
+                    break
+                for sock in readable:
+                    self._on_readable(sock)
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + self._interval
+                    self._track()
+                    count = self._thread_store.add(f"{self.prefix}/deaths", 0)
+                    if count != seen:
+                        seen = count
+                        text = self._thread_store.get(f"{self.prefix}/lost").decode()
+                        self._learn({int(r) for r in text.split(",") if r})
+                        if self._succ is not None and self._succ[0] in self._lost:
+                            self._succ[1].close()
+                            self._relink()
+            except Exception as error:  # keep watching; the store may come back
+                self._failure = error
+                time.sleep(self._interval)
+        self._shut_sockets(goodbye=True)
+
+    def _on_readable(self, sock: socket.socket) -> None:
+        if sock is self._listener:
+            conn, _ = sock.accept()
+            self._peers[conn] = [None, b""]
+            return
+        try:
+            data = sock.recv(256)
+        except OSError:
+            data = b""
+        succ = self._succ is not None and sock is self._succ[1]
+        if succ:
+            assert self._succ is not None
+            rank: int | None = self._succ[0]
+            said_bye = b"B" in data
+        else:
+            entry = self._peers[sock]
+            entry[1] += data
+            *lines, entry[1] = entry[1].split(b"\n")
+            for line in lines:
+                if line.startswith(b"H"):
+                    entry[0] = int(line[1:])
+            rank, said_bye = entry[0], b"B" in entry[1] or any(line == b"B" for line in lines)
+        if data and not said_bye:
+            return
+        sock.close()
+        if not succ:
+            del self._peers[sock]
+        if rank is not None:
+            if said_bye or not self._thread_store.check([self._key("addr", rank)]):
+                self._left.add(rank)
+            else:
+                self._declare(rank)
+        if succ:
+            self._relink()
+
+    def _shut_sockets(self, *, goodbye: bool) -> None:
+        socks = [*self._peers, *([self._succ[1]] if self._succ is not None else [])]
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                if goodbye:
+                    sock.sendall(b"B\n")
+                sock.close()
+        self._peers.clear()
+        self._succ = None
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+
+    def _clean_up(self) -> None:
+        """The last member to close (the lost ones never will) deletes the watch's keys."""
+        store, prefix = self._store, self.prefix
+        closed = store.add(f"{prefix}/closed", 1)
+        dead = store.add(f"{prefix}/deaths", 0)
+        if closed + dead < len(self.ranks):
+            return
+        tags = set()
+        if store.check([f"{prefix}/tags"]):
+            tags = {t for t in store.get(f"{prefix}/tags").decode().split("\n") if t}
+        keys = [f"{prefix}/{name}" for name in ("closed", "deaths", "lost", "tags")]
+        for rank in self.ranks:
+            keys += [self._key("addr", rank), self._key("lost", rank)]
+            keys += [f"{prefix}/agree/{tag}/alive/{rank}" for tag in tags]
+        keys += [f"{prefix}/agree/{tag}/decision" for tag in tags]
+        for key in keys:
+            store.delete_key(key)

@@ -1,0 +1,241 @@
+"""The liveness watch in 8-rank gloo worlds (2 x 2 x 2: dp, pp, tp) whose store lives here.
+
+Each world runs ``benchmarks.heal.rank_main`` (the benchmark's training loop)
+with a plan: a rank SIGKILLs itself, a rank is stopped or busy, a second rank
+dies in the middle of the agreement. Every group's timeout is 60 s, so a
+collective that raised rather than timed out proves the abort; the messages say
+which it was. Counts and sets are asserted, never a time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import heal  # noqa: E402
+from scopedmesh.layout import MeshLayout  # noqa: E402
+
+LAYOUT = MeshLayout(heal.SHAPE, names=heal.NAMES)
+VICTIM, KILL_STEP, STEPS = 5, 3, 7
+TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def _figure(name: str, **values: object) -> None:
+    print(f"\nRELIABILITY {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+
+
+def _reports(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    reports: dict[int, dict[str, Any]] = result["reports"]
+    assert set(reports) == set(range(8)), result["exitcodes"]
+    for rank, report in reports.items():
+        assert "unexpected" not in report, f"rank {rank}:\n{report['unexpected']}"
+    return reports
+
+
+def _shares_a_group(a: int, b: int) -> bool:
+    return any(b in LAYOUT.group(LAYOUT.unravel(a), axis) for axis in heal.NAMES)
+
+
+def _check_healed(reports: dict[int, dict[str, Any]], dead: list[int]) -> None:
+    """The other dp slice re-forms 1 x 2 x 2 and matches the reference; the dead slice sits out."""
+    resume = heal.resume_step({"reports": reports})
+    assert resume in (KILL_STEP - 1, KILL_STEP)  # a step's last messages may not arrive
+    expected = heal.reference(STEPS, lambda s: 2 if s < resume else 1)
+    dead_slice = {r for r in range(8) if LAYOUT.unravel(r)[0] == LAYOUT.unravel(dead[0])[0]}
+    for rank, report in reports.items():
+        if rank in dead:
+            continue
+        event = report["events"][0]
+        assert event["lost"] == dead, (rank, event)  # the same lost set on every survivor
+        assert not any(word in event["message"].lower() for word in TIMEOUT_WORDS), event
+        if rank in dead_slice:
+            assert "shares a dropped slice" in event["sat_out"], event
+            continue
+        assert event["shape"] == [1, 2, 2]
+        assert [s for s, _ in report["losses"]] == list(range(STEPS))
+        for step, loss in report["losses"]:
+            assert math.isclose(loss, expected[step], rel_tol=1e-9), (rank, step, loss)
+
+
+def _check_nothing_left(result: dict[str, Any], reports: dict[int, dict[str, Any]]) -> None:
+    for report in reports.values():
+        if "died_at" in report:
+            continue
+        assert report["threads_running"] == 1, report  # one thread while the watch runs
+        assert report["threads_left"] == 0, report
+        assert report["fds_left"] == 0, report  # descriptors opened since and still open
+    assert result["watch_keys"] == []
+
+
+@pytest.fixture(scope="module")
+def killed() -> dict[str, Any]:
+    # Rank 3 sleeps at the kill step, so rank 2 (which shares no group with rank 5)
+    # is blocked in a tp all_reduce with a healthy peer when rank 5 dies.
+    plan = {"steps": STEPS, "kill": {str(VICTIM): KILL_STEP}, "sleep": {"3": [KILL_STEP, 1.5]}}
+    return heal.launch(plan, timeout=300)
+
+
+def test_every_survivor_learns_of_a_sigkill_and_agrees(killed: dict[str, Any]) -> None:
+    reports = _reports(killed)
+    assert killed["exitcodes"][VICTIM] == -9  # SIGKILL
+    died = reports[VICTIM]["died_at"]
+    for rank, report in reports.items():
+        if rank != VICTIM:
+            assert report["lost"] == [VICTIM], (rank, report["lost"])
+            assert report["events"][0]["step"] in (KILL_STEP - 1, KILL_STEP)
+    _check_healed(reports, [VICTIM])
+    learned = [reports[r]["learned"][str(VICTIM)] - died for r in reports if r != VICTIM]
+    first = [
+        reports[r]["events"][0]["first_step_at"] - died
+        for r in reports
+        if r != VICTIM and "first_step_at" in reports[r]["events"][0]
+    ]
+    _figure(
+        "SIGKILL of rank 5 (8 ranks, 2x2x2 dp,pp,tp, watch 20 ms)",
+        learned_by_all_s=round(max(learned), 3),
+        first_healed_step_s=round(max(first), 3),
+    )
+
+
+def test_a_rank_blocked_with_healthy_peers_is_aborted_not_timed_out(
+    killed: dict[str, Any],
+) -> None:
+    reports = _reports(killed)
+    assert not _shares_a_group(2, VICTIM) and not _shares_a_group(3, VICTIM)
+    blocked = reports[2]["events"][0]  # in a tp all_reduce with rank 3, which slept
+    assert "closed by peer" in blocked["message"] or "reset by peer" in blocked["message"]
+    sleeper = reports[3]["events"][0]  # its groups were shut down while it slept
+    assert sleeper["type"] == "MeshClosedError", sleeper
+    assert "liveness watch learned that rank(s) [5] died" in sleeper["message"]
+
+
+def test_nothing_left_after_the_watch_stops(killed: dict[str, Any]) -> None:
+    _check_nothing_left(killed, _reports(killed))
+
+
+def test_a_stopped_or_busy_rank_is_not_declared_lost(tmp_path: Path) -> None:
+    """SIGSTOP rank 6 for 2 s, then a 2 s busy loop on rank 1: alive both times (open sockets)."""
+    plan = {"steps": STEPS, "stop": [6, 2, 2.0], "busy": {"1": [4, 2.0]}}
+    result = heal.launch(plan, timeout=300)
+    reports = _reports(result)
+    expected = heal.reference(STEPS, lambda s: 2)
+    for rank, report in reports.items():
+        assert report["lost"] == [] and report["events"] == [], (rank, report)
+        for step, loss in report["losses"]:
+            assert math.isclose(loss, expected[step], rel_tol=1e-9), (rank, step, loss)
+    _check_nothing_left(result, reports)
+
+
+def test_a_second_death_during_the_agreement_is_agreed_on_too() -> None:
+    """Rank 6 checks in to the agreement, then dies; rank 7 agrees late: all decide {5, 6}."""
+    plan = {
+        "steps": STEPS,
+        "kill": {str(VICTIM): KILL_STEP},
+        "die_checked_in": 6,
+        "slow_agree": {"7": 2.0},
+    }
+    result = heal.launch(plan, timeout=300)
+    reports = _reports(result)
+    assert result["exitcodes"][6] == -9
+    _check_healed(reports, [5, 6])
+    _check_nothing_left(result, reports)
+
+
+def test_the_benchmark_runs_and_prints_its_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.heal", "--kills", "2", "--steps", "6"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 4  # the header, one row per kill, the last line
+    number = r"\d+\.\d+"
+    assert re.fullmatch(
+        rf"heal: median {number} s, max {number} s over 2 kills \(detect {number}, abort "
+        rf"{number}, agree {number}, re-form {number}, first step {number}\)",
+        lines[-1],
+    ), lines[-1]
+
+
+# ------------------------------------------------------------------ bad arguments
+
+
+@pytest.fixture
+def one_rank() -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"interval": 0}, ValueError, "interval must be a positive number of seconds"),
+        ({"interval": -1}, ValueError, "interval must be a positive number"),
+        ({"interval": float("nan")}, ValueError, "interval must be a positive number"),
+        ({"interval": 10**30}, ValueError, r"interval .* \(at most 60\), got 10000"),
+        ({"interval": "0.1"}, TypeError, "interval must be a number of seconds, got '0.1'"),
+        ({"interval": True}, TypeError, "interval must be a number of seconds, got True"),
+        ({"timeout": 0}, ValueError, "timeout must be positive"),
+        ({"timeout": -5}, ValueError, "timeout must be positive"),
+        ({"timeout": float("nan")}, ValueError, "timeout"),
+        ({"timeout": 10**30}, ValueError, "timeout"),
+        ({"timeout": "1"}, TypeError, "timeout"),
+        ({"ranks": [0, 7]}, ValueError, r"ranks must be ranks of WORLD \(0..0\), got 7"),
+        ({"ranks": [True]}, TypeError, "ranks must hold int ranks, got True"),
+        ({"ranks": "01"}, TypeError, "ranks must be an iterable of int ranks"),
+        ({"ranks": []}, ValueError, "ranks must hold at least one rank"),
+        ({"host": 5}, TypeError, "host must be a non-empty str or None, got 5"),
+        ({"store": "store"}, TypeError, "store must be a torch.distributed Store"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_leave_the_store_usable(
+    one_rank: Any, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    from scopedmesh import LivenessWatch
+    from scopedmesh.c10d import groups as _c10d
+
+    store = _c10d.default_store()
+    keys = store.num_keys()
+    with pytest.raises(error, match=match):
+        LivenessWatch(**kwargs)
+    assert store.num_keys() == keys  # nothing was written
+    store.set("after-bad-input", "ok")
+    assert store.get("after-bad-input") == b"ok"
+    store.delete_key("after-bad-input")
+    with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
+        assert watch.lost() == frozenset() and watch.is_alive(0)
+        with pytest.raises(
+            ValueError, match=r"rank must be one of this watch's ranks \[0\], got 3"
+        ):
+            watch.is_alive(3)
+        with pytest.raises(TypeError, match="rank must be an int rank, got '0'"):
+            watch.is_alive("0")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="tag must be 1 to 200 printable characters"):
+            watch.agree(tag="a/b")
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            watch.agree(tag="t", timeout=0)
+        with pytest.raises(TypeError, match="mesh must be a ProcessGroupMesh, got 3"):
+            watch.guard(3)  # type: ignore[arg-type]
+        assert watch.agree(tag="alone") == frozenset()  # one member: decided at once
+    assert watch.closed
+    with pytest.raises(RuntimeError, match="is closed; make a new LivenessWatch"):
+        watch.agree(tag="late")
+    leftover = [k for k in store.list_keys() if k.startswith("scopedmesh-watch/")]
+    assert [k for k in leftover if "/count/" not in k] == []
