@@ -493,10 +493,10 @@ class LivenessWatch:
             data = sock.recv(256)
         except OSError:
             data = b""
-        succ = self._succ is not None and sock is self._succ[1]
-        if succ:
-            assert self._succ is not None
-            rank: int | None = self._succ[0]
+        link = self._succ
+        succ = link is not None and sock is link[1]
+        if link is not None and succ:
+            rank: int | None = link[0]
             said_bye = b"B" in data
         else:
             entry = self._peers[sock]
