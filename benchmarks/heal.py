@@ -357,14 +357,19 @@ def resume_step(result: dict[str, Any]) -> int:
 
 def check(result: dict[str, Any], victim: int, kill_step: int, steps: int) -> None:
     """Every survivor that trains on matches the reference; nothing left behind."""
+    reports = result["reports"]
+    # First a rank that failed: its watch never closed, so its peers rightly counted it lost.
+    for rank, report in sorted(reports.items()):
+        if "unexpected" in report:
+            raise RuntimeError(f"rank {rank} failed:\n{report['unexpected']}")
+    missing = sorted(set(range(len(result["exitcodes"]))) - set(reports))
+    if missing:
+        raise RuntimeError(f"ranks {missing} wrote no report (exit codes {result['exitcodes']})")
     resume = resume_step(result)
     if resume not in (kill_step - 1, kill_step):
         raise RuntimeError(f"resumed from step {resume} after a kill at step {kill_step}")
     expected = reference(steps, lambda s: 2 if s < resume else 1)
-    reports = result["reports"]
-    for rank, report in reports.items():
-        if "unexpected" in report:
-            raise RuntimeError(f"rank {rank} failed:\n{report['unexpected']}")
+    for rank, report in sorted(reports.items()):
         if rank == victim:
             continue
         if report["lost"] != [victim] or report["events"][0]["lost"] != [victim]:

@@ -239,3 +239,46 @@ def test_bad_arguments_name_the_argument_and_leave_the_store_usable(
         watch.agree(tag="late")
     leftover = [k for k in store.list_keys() if k.startswith("scopedmesh-watch/")]
     assert [k for k in leftover if "/count/" not in k] == []
+
+
+# ------------------------------------------------------------------ the soak
+
+
+@pytest.mark.slow
+def test_soak_50_heals_leave_nothing_behind() -> None:
+    """50 worlds, each losing a random rank at a random step: every heal checked like the
+    benchmark's (the reference losses, the lost set, fds, threads, store keys); figures printed.
+
+    Counts, never times: per heal, every rank that lived had one watch thread while
+    the watch ran, and none, no descriptor and no watch key once it stopped.
+    """
+    import random
+    import statistics
+    import time
+
+    rng = random.Random(50)
+    heals = 50
+    totals: list[float] = []
+    running = threads_left = fds_left = keys_left = 0
+    started = time.monotonic()
+    for _ in range(heals):
+        victim, step = rng.randrange(8), rng.randrange(1, 8)
+        result = heal.launch({"steps": 9, "kill": {str(victim): step}}, timeout=300)
+        heal.check(result, victim, step, 9)  # raises on a wrong loss, lost set or leftover
+        totals.append(heal.phases(result, victim)[-1])
+        lived = [rep for r, rep in result["reports"].items() if r != victim]
+        running += sum(rep["threads_running"] for rep in lived)
+        threads_left += sum(rep["threads_left"] for rep in lived)
+        fds_left += sum(rep["fds_left"] for rep in lived)
+        keys_left += len(result["watch_keys"])
+    assert (running, threads_left, fds_left, keys_left) == (7 * heals, 0, 0, 0)
+    _figure(
+        f"soak: {heals} SIGKILLs healed (8 ranks, 2x2x2)",
+        heals=len(totals),
+        wall_s=round(time.monotonic() - started),
+        median_s=round(statistics.median(totals), 3),
+        max_s=round(max(totals), 3),
+        threads_left=threads_left,
+        fds_left=fds_left,
+        store_keys_left=keys_left,
+    )
