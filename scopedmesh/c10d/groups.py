@@ -305,12 +305,13 @@ def _formation_store(backend: str) -> c10d.Store:
     torch's TCPStore client runs one request at a time, and a blocking ``wait``
     (gloo's rendezvous, the formation barrier) holds it: two threads forming
     groups at once would queue behind each other's waits, and across ranks that
-    can deadlock until the timeout. With other Python threads alive, a group
-    forms over a clone of the client (one more connection, kept by the group's
-    backend while the group lives). A single-threaded process pays nothing.
+    can deadlock until the timeout. With other Python threads alive (a liveness
+    watch's does not count: see :func:`_store_threads`), a group forms over a
+    clone of the client (one more connection, kept by the group's backend while
+    the group lives). A single-threaded process pays nothing.
     """
     store = c10d._get_default_store()
-    if threading.active_count() == 1 or _is_fake(str(backend)):  # torch 2.9 has no Backend.FAKE
+    if _store_threads() == 1 or _is_fake(str(backend)):  # torch 2.9 has no Backend.FAKE
         return store
     clone: Any = getattr(store, "clone", None)
     try:
@@ -318,6 +319,25 @@ def _formation_store(backend: str) -> c10d.Store:
     except (RuntimeError, TypeError):  # a store that cannot clone: share it
         return store
     return cloned
+
+
+STORE_FREE_THREADS = "scopedmesh-liveness-"  # a liveness watch's thread: its own store clients
+
+
+def _store_threads() -> int:
+    """The Python threads that may use torch's default store client (this one included).
+
+    A liveness watch's thread (named ``scopedmesh-liveness-<rank>``) talks to the
+    store over clients of its own, never the default one, so it does not count:
+    a formation under a watch uses the default client, as a single-threaded
+    process does. A clone there would open a new store connection in the
+    middle of a heal, and torch's store server looks every new connection's
+    peer up in DNS on its one thread: where a lookup is lost, every request to
+    the store waits 5 s (the resolver's timeout).
+    """
+    return sum(
+        1 for thread in threading.enumerate() if not thread.name.startswith(STORE_FREE_THREADS)
+    )
 
 
 def _all_formed(
