@@ -253,6 +253,12 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     report["lost"] = sorted(watch.lost())
     report["learned"] = {r: watch.learned_at(r) for r in watch.lost()}
     report["aborted"] = {r: watch.aborted_at(r) for r in watch.lost()}
+    # Who declared each death (the value of its lost key), and what the watch thread raised.
+    report["declared_by"] = {
+        r: store.compare_set(f"{watch.prefix}/lost/{r}", "\x00", "\x00").decode()
+        for r in watch.lost()
+    }
+    report["watch_failure"] = repr(watch._failure) if watch._failure is not None else None
     closing = time.time()
     watch.close()
     watch.close()  # idempotent
@@ -373,7 +379,19 @@ def check(result: dict[str, Any], victim: int, kill_step: int, steps: int) -> No
         if rank == victim:
             continue
         if report["lost"] != [victim] or report["events"][0]["lost"] != [victim]:
-            raise RuntimeError(f"rank {rank}: lost {report['lost']}, expected [{victim}]")
+            extra = {
+                r: {
+                    k: reports.get(int(r), {}).get(k)
+                    for k in ("close_s", "events", "watch_failure")
+                }
+                for r in report["lost"]
+                if r != victim
+            }
+            raise RuntimeError(
+                f"rank {rank}: lost {report['lost']}, expected [{victim}]; declared by "
+                f"{report.get('declared_by')}; watch failure {report.get('watch_failure')}; "
+                f"the extra ranks: {extra}"
+            )
         if report["fds_left"] or report["threads_left"]:
             raise RuntimeError(f"rank {rank} left fds/threads behind: {report}")
         if "sat_out" in report["events"][0]:
