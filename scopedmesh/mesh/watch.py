@@ -33,6 +33,7 @@ ValueError: interval must be a positive number of seconds (at most 60), got 0
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import select
 import socket
@@ -96,6 +97,39 @@ def _peek(store: Any, key: str) -> str | None:
     return None if value == _ABSENT else value
 
 
+KEEPALIVE_IDLE = 1  # seconds a ring connection is quiet before the kernel probes the peer's host
+KEEPALIVE_PROBES = 2  # unanswered probes, one a second, before the connection fails
+UNREACHABLE_AFTER = KEEPALIVE_IDLE + KEEPALIVE_PROBES  # seconds: a host silent this long is lost
+
+
+def _keep_alive(sock: socket.socket) -> socket.socket:
+    """Have the kernel probe ``sock``'s peer host: a silent host fails it in about 3 s.
+
+    The peer's kernel answers the probes, so a stopped or busy process stays
+    alive; only a host that vanished from the network (a partition, a power
+    cut) stops answering.
+    """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    return sock
+
+
+CLOSED = "closed"  # why a rank is lost: its connection closed without a goodbye
+UNREACHABLE = "unreachable"  # why a rank is lost: its host stopped answering
+
+
+def _reason(error: OSError) -> str:
+    """Why a connection failed: UNREACHABLE for silence (keepalive, connect), else CLOSED."""
+    silent = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+    return UNREACHABLE if isinstance(error, TimeoutError) or error.errno in silent else CLOSED
+
+
 class LivenessWatch:
     """Which members are alive, learned from their open sockets; aborts the meshes it guards.
 
@@ -150,6 +184,7 @@ class LivenessWatch:
         self._thread_store.set_timeout(self._timeout)
         self.prefix = f"{ROOT}/{self._store.add(f'{ROOT}/count/{self.rank}', 1)}"
         self._lost: frozenset[int] = frozenset()
+        self._why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self._learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
         self._aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
         self._meshes: tuple[ProcessGroupMesh, ...] = ()
@@ -205,6 +240,21 @@ class LivenessWatch:
             )
         return rank not in self._lost
 
+    def why_lost(self, rank: int) -> str | None:
+        """How ``rank`` was lost, as a predicate (``"has died (...)"``); None while it is alive.
+
+        The diagnosis of a group that cannot form says ``rank 3 <this>``.
+        """
+        reason = self._why.get(rank) if rank in self._lost else None
+        if reason is None:
+            return None
+        if reason == UNREACHABLE:
+            return (
+                f"is unreachable (its host answered no keepalive probe of the liveness watch "
+                f"for {UNREACHABLE_AFTER} s: a network partition, or the host is down)"
+            )
+        return "has died (its liveness watch connection closed without a goodbye)"
+
     def learned_at(self, rank: int) -> float | None:
         """``time.time()`` when this process learned that ``rank`` died, or None."""
         return self._learned.get(rank)
@@ -226,12 +276,15 @@ class LivenessWatch:
         Returns ``mesh``. Collectives in flight on it then raise (their peers'
         connections close); later ones raise ``MeshClosedError``; close the
         mesh as usual (``reform`` does). A mesh that holds a rank already
-        known lost is aborted at once.
+        known lost is aborted at once. While the watch runs, the mesh's group
+        formations ask it which peers are lost: one waiting for a lost rank
+        raises ``GroupFormationError`` saying so, on any host.
         """
         if not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
         self._check_open()
         self._meshes = (*[m for m in self._meshes if not m.closed], mesh)
+        mesh._table.liveness = self
         self._track()
         dead = self._lost.intersection(mesh.layout.ranks)
         if dead:
@@ -350,6 +403,9 @@ class LivenessWatch:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         self._thread.join(self._timeout.total_seconds())
+        for mesh in self._meshes:
+            if mesh._table.liveness is self:
+                mesh._table.liveness = None
         self._meshes = ()
         try:
             self._clean_up()
@@ -385,7 +441,7 @@ class LivenessWatch:
         """Connect to ``rank``'s listener and say who we are (raises OSError if refused)."""
         host, port = self._store.get(self._key("addr", rank)).decode().rsplit(":", 1)
         conn = socket.create_connection((host, int(port)), timeout=self._timeout.total_seconds())
-        conn.sendall(f"H{self.rank}\n".encode())
+        _keep_alive(conn).sendall(f"H{self.rank}\n".encode())
         self._succ = (rank, conn)
 
     def _relink(self) -> None:
@@ -399,34 +455,34 @@ class LivenessWatch:
             else:
                 try:
                     host, port = address.rsplit(":", 1)
-                    conn = socket.create_connection(
-                        (host, int(port)), timeout=self._timeout.total_seconds()
-                    )
-                    conn.sendall(f"H{self.rank}\n".encode())
+                    conn = socket.create_connection((host, int(port)), timeout=UNREACHABLE_AFTER)
+                    _keep_alive(conn).sendall(f"H{self.rank}\n".encode())
                     self._succ = (candidate, conn)
                     return
-                except OSError:  # refused: nobody listens there any more
+                except OSError as error:  # refused (nobody listens there), or no answer
                     if self._thread_store.check([self._key("addr", candidate)]):
-                        self._declare(candidate)
+                        self._declare(candidate, _reason(error))
                     else:
                         self._left.add(candidate)
             candidate = self._next_after(self.rank)
 
-    def _declare(self, rank: int) -> None:
-        """Write ``rank``'s death to the store (once, whoever sees it first) and learn it."""
-        store, me = self._thread_store, str(self.rank)
+    def _declare(self, rank: int, reason: str) -> None:
+        """Write ``rank``'s death and ``reason`` to the store (once, whoever sees it first); learn it."""
+        store, me = self._thread_store, f"{self.rank}:{reason}"
         if store.compare_set(self._key("lost", rank), "", me).decode() == me:
-            store.append(f"{self.prefix}/lost", f"{rank},")
+            store.append(f"{self.prefix}/lost", f"{rank}:{reason},")
             store.add(f"{self.prefix}/deaths", 1)
-        self._learn({rank})
+        self._learn({rank: reason})
 
-    def _learn(self, dead: set[int]) -> None:
-        new = dead - self._lost
+    def _learn(self, dead: dict[int, str]) -> None:
+        """Learn the deaths in ``dead`` (rank -> reason); abort the guarded meshes they hit."""
+        new = set(dead).difference(self._lost)
         if not new:
             return
         now = time.time()
         for rank in new:
             self._learned[rank] = now
+            self._why[rank] = dead[rank]
         self._lost = self._lost | new
         for mesh in self._meshes:
             hit = new.intersection(mesh.layout.ranks)
@@ -475,7 +531,8 @@ class LivenessWatch:
                     if count != seen:
                         seen = count
                         text = self._thread_store.get(f"{self.prefix}/lost").decode()
-                        self._learn({int(r) for r in text.split(",") if r})
+                        entries = (item.partition(":") for item in text.split(",") if item)
+                        self._learn({int(rank): reason for rank, _, reason in entries})
                         if self._succ is not None and self._succ[0] in self._lost:
                             self._succ[1].close()
                             self._relink()
@@ -487,12 +544,13 @@ class LivenessWatch:
     def _on_readable(self, sock: socket.socket) -> None:
         if sock is self._listener:
             conn, _ = sock.accept()
-            self._peers[conn] = [None, b""]
+            self._peers[_keep_alive(conn)] = [None, b""]
             return
+        reason = CLOSED
         try:
             data = sock.recv(256)
-        except OSError:
-            data = b""
+        except OSError as error:
+            data, reason = b"", _reason(error)
         link = self._succ
         succ = link is not None and sock is link[1]
         if link is not None and succ:
@@ -515,7 +573,7 @@ class LivenessWatch:
             if said_bye or not self._thread_store.check([self._key("addr", rank)]):
                 self._left.add(rank)
             else:
-                self._declare(rank)
+                self._declare(rank, reason)
         if succ:
             self._relink()
 
