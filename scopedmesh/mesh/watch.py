@@ -5,6 +5,10 @@ SIGKILLed process's sockets are closed by the kernel at once, so a peer holding
 a TCP connection to it reads end-of-file within milliseconds. A rank that is
 stopped (SIGSTOP), descheduled or in a long computation keeps its sockets open:
 it is never declared lost, however long it takes. No heartbeat, no deadline.
+A host that vanishes without closing anything (a partition) is found by the
+kernel: the ring connections probe the peer's host (TCP keepalive), and a
+host that answers none for :data:`UNREACHABLE_AFTER` seconds is declared lost
+as unreachable (:meth:`LivenessWatch.why_lost` tells which).
 
 A :class:`LivenessWatch` is opt-in and held by the caller; while it runs, each
 process has one more thread (none before, none after). Each member listens on
