@@ -132,17 +132,14 @@ class GroupTable:
         does not stop the others; the failures are returned, first first. The
         caller holds :attr:`lock`.
         """
-        errors: list[Exception] = []
+        groups: list[dist.ProcessGroup] = []
         for entry in entries:
             entry.alive = False
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
             if entry.group is not None:
-                try:
-                    _c10d.destroy(entry.group)
-                except Exception as error:  # keep going: the other groups must still go
-                    errors.append(error)
-        return errors
+                groups.append(entry.group)
+        return self.destroy(groups)
 
     def destroy(self, groups: Iterable[dist.ProcessGroup]) -> list[Exception]:
         """Destroy ``groups`` that torch made for a scope (never registered here), in the
