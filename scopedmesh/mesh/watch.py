@@ -124,6 +124,7 @@ def _keep_alive(sock: socket.socket) -> socket.socket:
     return sock
 
 
+CONNECT_SLICE = 0.5  # seconds a ring connection attempt waits before the store is read again
 CLOSED = "closed"  # why a rank is lost: its connection closed without a goodbye
 UNREACHABLE = "unreachable"  # why a rank is lost: its host stopped answering
 
@@ -132,6 +133,12 @@ def _reason(error: OSError) -> str:
     """Why a connection failed: UNREACHABLE for silence (keepalive, connect), else CLOSED."""
     silent = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
     return UNREACHABLE if isinstance(error, TimeoutError) or error.errno in silent else CLOSED
+
+
+def _deaths(text: str) -> dict[int, str]:
+    """The store's list of deaths (``"3:closed,5:unreachable,"``) as rank -> reason."""
+    entries = (item.partition(":") for item in text.split(",") if item)
+    return {int(rank): reason for rank, _, reason in entries}
 
 
 class LivenessWatch:
@@ -458,17 +465,38 @@ class LivenessWatch:
                 self._left.add(candidate)  # closed its watch cleanly
             else:
                 try:
-                    host, port = address.rsplit(":", 1)
-                    conn = socket.create_connection((host, int(port)), timeout=UNREACHABLE_AFTER)
-                    _keep_alive(conn).sendall(f"H{self.rank}\n".encode())
-                    self._succ = (candidate, conn)
-                    return
+                    conn = self._connect(candidate, address)
+                    if conn is not None:
+                        conn.sendall(f"H{self.rank}\n".encode())
+                        self._succ = (candidate, conn)
+                        return
                 except OSError as error:  # refused (nobody listens there), or no answer
                     if self._thread_store.check([self._key("addr", candidate)]):
                         self._declare(candidate, _reason(error))
                     else:
                         self._left.add(candidate)
             candidate = self._next_after(self.rank)
+
+    def _connect(self, rank: int, address: str) -> socket.socket | None:
+        """A ring connection to ``rank`` at ``address`` (``host:port``); None once it is lost.
+
+        A silent host is retried in slices of :data:`CONNECT_SLICE` seconds,
+        learning the store's deaths in between, so that the thread is never
+        blind to them for long; the last error is raised after
+        :data:`UNREACHABLE_AFTER` seconds of silence.
+        """
+        host, port = address.rsplit(":", 1)
+        give_up = time.monotonic() + UNREACHABLE_AFTER
+        while True:
+            try:
+                conn = socket.create_connection((host, int(port)), timeout=CONNECT_SLICE)
+                return _keep_alive(conn)
+            except TimeoutError:
+                if time.monotonic() >= give_up:
+                    raise
+            self._learn(_deaths(_peek(self._thread_store, f"{self.prefix}/lost") or ""))
+            if rank in self._lost:
+                return None
 
     def _declare(self, rank: int, reason: str) -> None:
         """Write ``rank``'s death and ``reason`` to the store (once, whoever sees it first); learn it."""
@@ -535,8 +563,7 @@ class LivenessWatch:
                     if count != seen:
                         seen = count
                         text = self._thread_store.get(f"{self.prefix}/lost").decode()
-                        entries = (item.partition(":") for item in text.split(",") if item)
-                        self._learn({int(rank): reason for rank, _, reason in entries})
+                        self._learn(_deaths(text))
                         if self._succ is not None and self._succ[0] in self._lost:
                             self._succ[1].close()
                             self._relink()

@@ -7,7 +7,14 @@ import socket
 
 import pytest
 
-from scopedmesh.mesh.watch import CLOSED, UNREACHABLE, UNREACHABLE_AFTER, _keep_alive, _reason
+from scopedmesh.mesh.watch import (
+    CLOSED,
+    UNREACHABLE,
+    UNREACHABLE_AFTER,
+    _deaths,
+    _keep_alive,
+    _reason,
+)
 
 
 @pytest.mark.parametrize(
@@ -38,3 +45,8 @@ def test_ring_sockets_probe_the_peer_host_within_the_stated_time() -> None:
             every = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
             probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
             assert idle + every * probes == UNREACHABLE_AFTER
+
+
+def test_the_stores_list_of_deaths_reads_back_with_reasons() -> None:
+    assert _deaths("") == {}
+    assert _deaths(f"3:{CLOSED},5:{UNREACHABLE},") == {3: CLOSED, 5: UNREACHABLE}
