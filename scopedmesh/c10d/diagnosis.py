@@ -16,7 +16,8 @@ it waits for:
   (the key it waits on is still absent), is a certain deadlock:
   :class:`~scopedmesh.errors.GroupFormationError` at once, naming every rank's
   group and the order rule broken;
-* a member that waits for a rank whose process is gone (:func:`peer_alive`)
+* a member that waits for a rank known lost (:func:`peer_lost`: its process
+  is gone, or the caller's liveness watch declared it dead or unreachable)
   fails at once;
 * anything else (a slow peer, a peer in user code or a collective) waits on,
   and at the timeout the error says what each missing member is doing.
@@ -40,7 +41,7 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
@@ -49,11 +50,12 @@ from scopedmesh.errors import GroupFormationError, clipped, shown
 
 __all__ = [
     "DEFAULT_GRACE",
+    "Liveness",
     "Request",
     "Watch",
     "WatchedStore",
     "announcement_key",
-    "peer_alive",
+    "peer_lost",
     "process_key",
     "read",
     "record_process",
@@ -140,34 +142,52 @@ def _process_alive(process: dict[str, Any]) -> bool | None:
 
 
 def record_process(store: Store, rank: int) -> None:
-    """Write who ``rank`` is to the store (one ``set``): :func:`peer_alive` reads it."""
+    """Write who ``rank`` is to the store (one ``set``): :func:`peer_lost` reads it."""
     store.set(process_key(rank), json.dumps(this_process()))
 
 
-def peer_alive(
-    store: Store, rank: int, process: dict[str, Any] | None = None
-) -> tuple[bool | None, dict[str, Any] | None]:
-    """Is ``rank`` alive? ``(True | False | None, its process record)``; None: cannot tell.
+class Liveness(Protocol):
+    """What the diagnosis asks an opt-in liveness watch (:class:`scopedmesh.LivenessWatch`)."""
 
-    The one place the diagnosis asks: a rank is dead when its process, as it
-    recorded it (``process``, from its announcement, or its process record), no
-    longer runs on this host. A rank on another host, or one that never
-    recorded itself, is ``None``. An opt-in liveness watch (issue 23) plugs in here.
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks it watches."""
+        ...
+
+    def why_lost(self, rank: int) -> str | None:
+        """How ``rank`` was lost (``"has died (...)"``), or None while it is alive."""
+        ...
+
+
+def peer_lost(
+    store: Store,
+    rank: int,
+    process: dict[str, Any] | None = None,
+    liveness: Liveness | None = None,
+) -> str | None:
+    """How ``rank`` was lost (``"has died (...)"``), or None: alive, or nobody can tell.
+
+    The one place the diagnosis asks. A rank that ``liveness`` (the caller's
+    liveness watch, when there is one) watches is lost when the watch says so:
+    one notion of alive, whichever host it is on. Otherwise a rank is dead when
+    its process, as it recorded it (``process``, from its announcement, or its
+    process record), no longer runs on this host; a rank on another host, or
+    one that never recorded itself, cannot be told.
     """
+    if liveness is not None and rank in liveness.ranks:
+        return liveness.why_lost(rank)
     if process is None:
         text = read(store, process_key(rank))
         try:
             process = json.loads(text) if text is not None else None
         except ValueError:
             process = None
-    if not isinstance(process, dict):
-        return None, None
-    return _process_alive(process), process
+    if not isinstance(process, dict) or _process_alive(process) is not False:
+        return None
+    return f"has died ({_where(process)} is gone)"
 
 
-def _where(process: dict[str, Any] | None) -> str:
-    if not process:
-        return "its process"
+def _where(process: dict[str, Any]) -> str:
     return f"its process {process.get('pid')} on host {clipped(str(process.get('host')), 80)}"
 
 
@@ -279,8 +299,10 @@ class Watch:
         description: str,
         grace: timedelta,
         timeout: timedelta,
+        liveness: Liveness | None = None,
     ) -> None:
         self.store = store
+        self.liveness = liveness
         self.ranks = ranks
         self.started = time.monotonic()
         self.deadline = self.started + timeout.total_seconds()
@@ -412,16 +434,13 @@ class Watch:
         loop = None
         for _ in range(_HOPS):
             request = Request.from_text(read(self.store, announcement_key(current)))
+            if current == waited:
+                process = request.process if request is not None and request.process else None
+                lost = peer_lost(self.store, current, process, self.liveness)
+                if lost is not None:
+                    return self._lost_error(waited, lost, request)
             if request is None or request.name == chain[-1].name:
-                if current == waited:
-                    alive, process = peer_alive(self.store, current)
-                    if alive is False:
-                        return self._dead_error(waited, process, None)
                 return None
-            if current == waited and request.process:
-                alive, _ = peer_alive(self.store, current, request.process)
-                if alive is False:
-                    return self._dead_error(waited, request.process, request)
             if request.waits_for is None:
                 return None
             chain.append(request)
@@ -440,9 +459,7 @@ class Watch:
         self.cycle = (f"scopedmesh-deadlock/{digest}", len(names)) if loop == 0 else None
         return GroupFormationError(_deadlock_text(chain, loop, time.monotonic() - self.started))
 
-    def _dead_error(
-        self, rank: int, process: dict[str, Any] | None, request: Request | None
-    ) -> GroupFormationError:
+    def _lost_error(self, rank: int, lost: str, request: Request | None) -> GroupFormationError:
         own = self.request
         last = (
             f"It was last waiting for rank {request.waits_for} in {request.group()}"
@@ -451,8 +468,7 @@ class Watch:
             else "It was not requesting any group when last seen."
         )
         return GroupFormationError(
-            f"could not form {own.group()}: rank {rank} has died ({_where(process)} is gone), "
-            f"so the group can never form. {last}"
+            f"could not form {own.group()}: rank {rank} {lost}, so the group can never form. {last}"
         )
 
     def _timeout_error(self) -> GroupFormationError:
@@ -478,9 +494,10 @@ class Watch:
 
     def _doing(self, rank: int) -> str:
         request = Request.from_text(read(self.store, announcement_key(rank)))
-        alive, process = peer_alive(self.store, rank, request.process if request else None)
-        if alive is False:
-            return f"has died ({_where(process)} is gone)"
+        process = request.process if request is not None and request.process else None
+        lost = peer_lost(self.store, rank, process, self.liveness)
+        if lost is not None:
+            return lost
         if request is not None and request.waits_for is not None:
             return (
                 f"waits for rank {request.waits_for} in another group: {request.group()}"

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh.c10d.diagnosis import DEFAULT_GRACE, Watch, WatchedStore
+from scopedmesh.c10d.diagnosis import DEFAULT_GRACE, Liveness, Watch, WatchedStore
 from scopedmesh.c10d.diagnosis import record_process as _record_process
 from scopedmesh.c10d.names import RankMap, canonical_ranks, group_name
 from scopedmesh.errors import shown
@@ -189,6 +189,7 @@ def new_member_group(
     description: str,
     what: str = "",
     grace: timedelta | None = None,
+    liveness: Liveness | None = None,
 ) -> dist.ProcessGroup | None:
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
 
@@ -202,7 +203,8 @@ def new_member_group(
     past ``grace`` (default 0.5 s) a member announces what it waits for and
     raises :class:`~scopedmesh.errors.GroupFormationError` at once if the wait can
     never end (a deadlock cycle, a dead peer); ``what`` names the group there
-    (``"axis 'tp'"``).
+    (``"axis 'tp'"``). ``liveness`` (a liveness watch, or None) says which peers
+    are lost; without one, only a peer's process on this host can be seen dying.
     """
     ranks = ranks if isinstance(ranks, range) else tuple(ranks)
     rank = dist.get_rank()
@@ -252,6 +254,7 @@ def new_member_group(
             description=description,
             grace=grace if grace is not None else DEFAULT_GRACE,
             timeout=group_timeout,
+            liveness=liveness,
         )
     try:
         group, prefix_store = c10d._new_process_group_helper(

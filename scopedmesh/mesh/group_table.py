@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.diagnosis import Liveness
 from scopedmesh.errors import GroupFormationError
 
 __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
@@ -57,14 +58,18 @@ class GroupTable:
     members in mesh order (group rank ``k`` at position ``k``) or ascending.
     ``grace`` (None: 0.5 s) is how long a member waits for its peers before it
     announces what it waits for and looks for a deadlock or a dead peer.
+    ``liveness`` is the liveness watch guarding the mesh, if any: the one that
+    says which peers are lost (:meth:`LivenessWatch.guard
+    <scopedmesh.mesh.watch.LivenessWatch.guard>` sets it).
     """
 
-    __slots__ = ("_entries", "_recorded", "grace", "live", "lock", "ordered")
+    __slots__ = ("_entries", "_recorded", "grace", "live", "liveness", "lock", "ordered")
 
     def __init__(self, grace: timedelta | None = None) -> None:
         self._entries: dict[GroupKey, Entry] = {}
         self._recorded = False  # whether this rank's process record is in the store
         self.grace = grace  # how long a member waits before it tells its peers what it waits for
+        self.liveness: Liveness | None = None
         self.lock = threading.RLock()
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
@@ -110,6 +115,7 @@ class GroupTable:
                 description=description,
                 what=what,
                 grace=self.grace,
+                liveness=self.liveness,
             )
         except GroupFormationError:  # diagnosed: the message already says it all
             raise
@@ -126,17 +132,14 @@ class GroupTable:
         does not stop the others; the failures are returned, first first. The
         caller holds :attr:`lock`.
         """
-        errors: list[Exception] = []
+        groups: list[dist.ProcessGroup] = []
         for entry in entries:
             entry.alive = False
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
             if entry.group is not None:
-                try:
-                    _c10d.destroy(entry.group)
-                except Exception as error:  # keep going: the other groups must still go
-                    errors.append(error)
-        return errors
+                groups.append(entry.group)
+        return self.destroy(groups)
 
     def destroy(self, groups: Iterable[dist.ProcessGroup]) -> list[Exception]:
         """Destroy ``groups`` that torch made for a scope (never registered here), in the

@@ -5,6 +5,10 @@ SIGKILLed process's sockets are closed by the kernel at once, so a peer holding
 a TCP connection to it reads end-of-file within milliseconds. A rank that is
 stopped (SIGSTOP), descheduled or in a long computation keeps its sockets open:
 it is never declared lost, however long it takes. No heartbeat, no deadline.
+A host that vanishes without closing anything (a partition) is found by the
+kernel: the ring connections probe the peer's host (TCP keepalive), and a
+host that answers none for :data:`UNREACHABLE_AFTER` seconds is declared lost
+as unreachable (:meth:`LivenessWatch.why_lost` tells which).
 
 A :class:`LivenessWatch` is opt-in and held by the caller; while it runs, each
 process has one more thread (none before, none after). Each member listens on
@@ -33,6 +37,7 @@ ValueError: interval must be a positive number of seconds (at most 60), got 0
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import select
 import socket
@@ -96,6 +101,46 @@ def _peek(store: Any, key: str) -> str | None:
     return None if value == _ABSENT else value
 
 
+KEEPALIVE_IDLE = 1  # seconds a ring connection is quiet before the kernel probes the peer's host
+KEEPALIVE_PROBES = 2  # unanswered probes, one a second, before the connection fails
+UNREACHABLE_AFTER = KEEPALIVE_IDLE + KEEPALIVE_PROBES  # seconds: a host silent this long is lost
+
+
+def _keep_alive(sock: socket.socket) -> socket.socket:
+    """Have the kernel probe ``sock``'s peer host: a silent host fails it in about 3 s.
+
+    The peer's kernel answers the probes, so a stopped or busy process stays
+    alive; only a host that vanished from the network (a partition, a power
+    cut) stops answering.
+    """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    return sock
+
+
+CONNECT_SLICE = 0.5  # seconds a ring connection attempt waits before the store is read again
+CLOSED = "closed"  # why a rank is lost: its connection closed without a goodbye
+UNREACHABLE = "unreachable"  # why a rank is lost: its host stopped answering
+
+
+def _reason(error: OSError) -> str:
+    """Why a connection failed: UNREACHABLE for silence (keepalive, connect), else CLOSED."""
+    silent = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+    return UNREACHABLE if isinstance(error, TimeoutError) or error.errno in silent else CLOSED
+
+
+def _deaths(text: str) -> dict[int, str]:
+    """The store's list of deaths (``"3:closed,5:unreachable,"``) as rank -> reason."""
+    entries = (item.partition(":") for item in text.split(",") if item)
+    return {int(rank): reason for rank, _, reason in entries}
+
+
 class LivenessWatch:
     """Which members are alive, learned from their open sockets; aborts the meshes it guards.
 
@@ -150,6 +195,7 @@ class LivenessWatch:
         self._thread_store.set_timeout(self._timeout)
         self.prefix = f"{ROOT}/{self._store.add(f'{ROOT}/count/{self.rank}', 1)}"
         self._lost: frozenset[int] = frozenset()
+        self._why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self._learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
         self._aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
         self._meshes: tuple[ProcessGroupMesh, ...] = ()
@@ -205,6 +251,21 @@ class LivenessWatch:
             )
         return rank not in self._lost
 
+    def why_lost(self, rank: int) -> str | None:
+        """How ``rank`` was lost, as a predicate (``"has died (...)"``); None while it is alive.
+
+        The diagnosis of a group that cannot form says ``rank 3 <this>``.
+        """
+        reason = self._why.get(rank) if rank in self._lost else None
+        if reason is None:
+            return None
+        if reason == UNREACHABLE:
+            return (
+                f"is unreachable (its host answered no keepalive probe of the liveness watch "
+                f"for {UNREACHABLE_AFTER} s: a network partition, or the host is down)"
+            )
+        return "has died (its liveness watch connection closed without a goodbye)"
+
     def learned_at(self, rank: int) -> float | None:
         """``time.time()`` when this process learned that ``rank`` died, or None."""
         return self._learned.get(rank)
@@ -226,12 +287,15 @@ class LivenessWatch:
         Returns ``mesh``. Collectives in flight on it then raise (their peers'
         connections close); later ones raise ``MeshClosedError``; close the
         mesh as usual (``reform`` does). A mesh that holds a rank already
-        known lost is aborted at once.
+        known lost is aborted at once. While the watch runs, the mesh's group
+        formations ask it which peers are lost: one waiting for a lost rank
+        raises ``GroupFormationError`` saying so, on any host.
         """
         if not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
         self._check_open()
         self._meshes = (*[m for m in self._meshes if not m.closed], mesh)
+        mesh._table.liveness = self
         self._track()
         dead = self._lost.intersection(mesh.layout.ranks)
         if dead:
@@ -350,6 +414,9 @@ class LivenessWatch:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         self._thread.join(self._timeout.total_seconds())
+        for mesh in self._meshes:
+            if mesh._table.liveness is self:
+                mesh._table.liveness = None
         self._meshes = ()
         try:
             self._clean_up()
@@ -385,7 +452,7 @@ class LivenessWatch:
         """Connect to ``rank``'s listener and say who we are (raises OSError if refused)."""
         host, port = self._store.get(self._key("addr", rank)).decode().rsplit(":", 1)
         conn = socket.create_connection((host, int(port)), timeout=self._timeout.total_seconds())
-        conn.sendall(f"H{self.rank}\n".encode())
+        _keep_alive(conn).sendall(f"H{self.rank}\n".encode())
         self._succ = (rank, conn)
 
     def _relink(self) -> None:
@@ -398,35 +465,56 @@ class LivenessWatch:
                 self._left.add(candidate)  # closed its watch cleanly
             else:
                 try:
-                    host, port = address.rsplit(":", 1)
-                    conn = socket.create_connection(
-                        (host, int(port)), timeout=self._timeout.total_seconds()
-                    )
-                    conn.sendall(f"H{self.rank}\n".encode())
-                    self._succ = (candidate, conn)
-                    return
-                except OSError:  # refused: nobody listens there any more
+                    conn = self._connect(candidate, address)
+                    if conn is not None:
+                        conn.sendall(f"H{self.rank}\n".encode())
+                        self._succ = (candidate, conn)
+                        return
+                except OSError as error:  # refused (nobody listens there), or no answer
                     if self._thread_store.check([self._key("addr", candidate)]):
-                        self._declare(candidate)
+                        self._declare(candidate, _reason(error))
                     else:
                         self._left.add(candidate)
             candidate = self._next_after(self.rank)
 
-    def _declare(self, rank: int) -> None:
-        """Write ``rank``'s death to the store (once, whoever sees it first) and learn it."""
-        store, me = self._thread_store, str(self.rank)
-        if store.compare_set(self._key("lost", rank), "", me).decode() == me:
-            store.append(f"{self.prefix}/lost", f"{rank},")
-            store.add(f"{self.prefix}/deaths", 1)
-        self._learn({rank})
+    def _connect(self, rank: int, address: str) -> socket.socket | None:
+        """A ring connection to ``rank`` at ``address`` (``host:port``); None once it is lost.
 
-    def _learn(self, dead: set[int]) -> None:
-        new = dead - self._lost
+        A silent host is retried in slices of :data:`CONNECT_SLICE` seconds,
+        learning the store's deaths in between, so that the thread is never
+        blind to them for long; the last error is raised after
+        :data:`UNREACHABLE_AFTER` seconds of silence.
+        """
+        host, port = address.rsplit(":", 1)
+        give_up = time.monotonic() + UNREACHABLE_AFTER
+        while True:
+            try:
+                conn = socket.create_connection((host, int(port)), timeout=CONNECT_SLICE)
+                return _keep_alive(conn)
+            except TimeoutError:
+                if time.monotonic() >= give_up:
+                    raise
+            self._learn(_deaths(_peek(self._thread_store, f"{self.prefix}/lost") or ""))
+            if rank in self._lost:
+                return None
+
+    def _declare(self, rank: int, reason: str) -> None:
+        """Write ``rank``'s death and ``reason`` to the store (once, whoever sees it first); learn it."""
+        store, me = self._thread_store, f"{self.rank}:{reason}"
+        if store.compare_set(self._key("lost", rank), "", me).decode() == me:
+            store.append(f"{self.prefix}/lost", f"{rank}:{reason},")
+            store.add(f"{self.prefix}/deaths", 1)
+        self._learn({rank: reason})
+
+    def _learn(self, dead: dict[int, str]) -> None:
+        """Learn the deaths in ``dead`` (rank -> reason); abort the guarded meshes they hit."""
+        new = set(dead).difference(self._lost)
         if not new:
             return
         now = time.time()
         for rank in new:
             self._learned[rank] = now
+            self._why[rank] = dead[rank]
         self._lost = self._lost | new
         for mesh in self._meshes:
             hit = new.intersection(mesh.layout.ranks)
@@ -475,7 +563,7 @@ class LivenessWatch:
                     if count != seen:
                         seen = count
                         text = self._thread_store.get(f"{self.prefix}/lost").decode()
-                        self._learn({int(r) for r in text.split(",") if r})
+                        self._learn(_deaths(text))
                         if self._succ is not None and self._succ[0] in self._lost:
                             self._succ[1].close()
                             self._relink()
@@ -487,12 +575,13 @@ class LivenessWatch:
     def _on_readable(self, sock: socket.socket) -> None:
         if sock is self._listener:
             conn, _ = sock.accept()
-            self._peers[conn] = [None, b""]
+            self._peers[_keep_alive(conn)] = [None, b""]
             return
+        reason = CLOSED
         try:
             data = sock.recv(256)
-        except OSError:
-            data = b""
+        except OSError as error:
+            data, reason = b"", _reason(error)
         link = self._succ
         succ = link is not None and sock is link[1]
         if link is not None and succ:
@@ -515,7 +604,7 @@ class LivenessWatch:
             if said_bye or not self._thread_store.check([self._key("addr", rank)]):
                 self._left.add(rank)
             else:
-                self._declare(rank)
+                self._declare(rank, reason)
         if succ:
             self._relink()
 

@@ -6,6 +6,7 @@ how long it took, who the rank is (pid, host), and what is left in the store.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,8 +17,10 @@ import torch.distributed as dist
 from _workers_common import summed
 
 from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.diagnosis import process_key
 from scopedmesh.errors import GroupFormationError
 from scopedmesh.mesh import ProcessGroupMesh
+from scopedmesh.mesh.watch import LivenessWatch
 
 LONG = 120.0  # a mesh timeout the diagnosis must beat by far
 
@@ -194,5 +197,31 @@ def dead_peer(rank: int, world_size: int, how: str) -> dict[str, Any] | None:
     out["dead_pid"] = pid
     _survivors_meet(world_size - 1)
     out["leftovers"] = leftovers()
+    out["live"] = _c10d.live_group_count()
+    return {**out, **me()}
+
+
+def dead_peer_on_another_host(rank: int, world_size: int) -> dict[str, Any] | None:
+    """The last rank says it runs on another host, then dies; every rank holds a liveness watch.
+
+    No rank can see the dead one's process, so only the watch can tell: the
+    others are told at once that it died, in the watch's words.
+    """
+    out: dict[str, Any] = {}
+    dead = world_size - 1
+    with LivenessWatch(interval=0.02, timeout=LONG) as watch:
+        with watch.guard(ProcessGroupMesh(world_size, names=("x",), timeout=LONG)) as mesh:
+            out["before"] = ask(mesh, "x")
+        if rank == dead:  # a process record no peer can check: "another host"
+            elsewhere = {"host": "another-host", "ns": "", "pid": 1, "start": ""}
+            _c10d.default_store().set(process_key(rank), json.dumps(elsewhere))
+        dist.barrier()
+        if rank == dead:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with watch.guard(ProcessGroupMesh(world_size, names=("x",), timeout=LONG)) as mesh:
+            out["first"] = ask(mesh, "x")
+        out["lost"] = sorted(watch.lost())
+    _survivors_meet(world_size - 1)
+    out["leftovers"] = [key for key in leftovers() if not key.startswith("scopedmesh-watch/count/")]
     out["live"] = _c10d.live_group_count()
     return {**out, **me()}

@@ -244,3 +244,21 @@ def test_the_time_to_diagnosis_benchmark_runs() -> None:
     figures = measure(2)
     assert sorted(figures) == ["cycle3", "cycle4", "dead"]
     assert all(len(seconds) == 2 for seconds in figures.values())
+
+
+def test_a_dead_peer_on_another_host_is_named_at_once_by_the_liveness_watch() -> None:
+    """One notion of alive: with a watch on, the diagnosis asks it, whatever host the peer is on."""
+    results = run_world(workers.dead_peer_on_another_host, 4, timeout=120, allow_exit=[3])
+    assert results[-1] is None  # it died
+    formed = group("axis 'x'", [0, 1, 2, 3], "scopedmesh:x")
+    for result in results[:-1]:
+        assert result is not None
+        assert result["before"]["sum"] == 4
+        assert result["first"]["message"] == (
+            f"could not form {formed}: rank 3 has died (its liveness watch connection closed "
+            "without a goodbye), so the group can never form. It was not requesting any group "
+            "when last seen."
+        )
+        assert result["first"]["seconds"] < HANG_GUARD
+        assert result["lost"] == [3]
+        assert result["leftovers"] == [] and result["live"] == 1
