@@ -136,9 +136,11 @@ class ClosableGroup(dist.ProcessGroup):
         If no collective is in flight (as far as :meth:`track` saw), the
         connections close now, so peers blocked in a collective with this rank
         raise at once; returns True. Otherwise gloo's destructor would wait for
-        that collective, so the group is kept until :meth:`release` (the mesh's
-        close) and False is returned: the collective in flight fails when a
-        peer's connections close. Local, idempotent.
+        that collective, so the group is held and False is returned: the
+        collective in flight ends (it completes, or fails when a peer's
+        connections close), and then :meth:`settle` closes the connections.
+        Until then, and at the latest at :meth:`release` (the mesh's close), the
+        group stays open. Local, idempotent.
         """
         inner = self._inner
         if inner is None:
@@ -146,12 +148,35 @@ class ClosableGroup(dist.ProcessGroup):
         pending = self._pending
         busy = pending is None or any(not work.is_completed() for work in pending)
         self._released_because = because
-        self._pending = None
         if busy:
-            self._held = inner
+            self._held = inner  # with its pending work (None: untracked), for settle()
+        else:
+            self._pending = None
         self._inner = None
         del inner  # not busy: the last reference, gloo closes its sockets here
         return not busy
+
+    def settle(self) -> bool:
+        """Close a group :meth:`interrupt` held, once the collectives it saw in flight ended.
+
+        A held group whose collective has completed (or failed) is idle, and
+        nothing new can start on it; were it kept open until its mesh closes,
+        a peer that went on to its next collective on this group would wait for
+        the group's timeout (and a survivor's agreement for that peer with it).
+        Returns whether the group is now closed (True when nothing is held). A
+        group held untracked (no record of its work) stays held until
+        :meth:`release`. Local, idempotent; a liveness watch calls it every
+        interval for the meshes it guards.
+        """
+        held, pending = self._held, self._pending
+        if held is None:
+            return True
+        if pending is None or any(not work.is_completed() for work in pending):
+            return False
+        self._pending = None
+        self._held = None
+        del held, pending  # the last references: gloo closes its sockets here
+        return True
 
     def __repr__(self) -> str:
         # torch names a group it no longer knows by its repr ("Process group {pg}

@@ -533,6 +533,7 @@ class LivenessWatch:
             self._aborted.setdefault(rank, now)
 
     def _track(self) -> None:
+        """Track the guarded groups' work; close the aborted ones whose collective has ended."""
         closable = sys.modules.get("scopedmesh.c10d.closable")
         if closable is None:
             return
@@ -541,6 +542,7 @@ class LivenessWatch:
                 for group in mesh._table.groups():
                     if isinstance(group, closable.ClosableGroup):
                         group.track()
+                        group.settle()  # a held group left open would stall its peers
 
     def _run(self) -> None:
         seen = 0

@@ -267,6 +267,26 @@ def test_a_formation_under_a_watch_opens_no_store_connection(one_rank: Any) -> N
             other.join()
 
 
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_held_group_closes_once_its_collective_has_ended(settle: bool) -> None:
+    """A group aborted mid-collective is held; once that collective completes, settle()
+    closes it, so a peer's next collective on it fails at once instead of at the
+    group's timeout (unsettled, it would wait: the case the soak hit, where that
+    peer's survivors waited 60 s for it in their agreement). The unsettled run
+    shows the hazard: a held group left open makes its peer time out."""
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    peer, held = run_world(_workers_watch.held_then_settled, 2, args=(settle,), timeout=240)
+    assert held["interrupt_closed"] is False  # in flight: held, not closed
+    if settle:
+        assert held["settled"] is True
+        assert any(w in peer["second"] for w in ("closed by peer", "reset by peer")), peer
+    else:
+        assert any(w in peer["second"].lower() for w in TIMEOUT_WORDS), peer
+
+
 # ------------------------------------------------------------------ the soak
 
 

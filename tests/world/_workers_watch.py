@@ -1,0 +1,103 @@
+"""Workers for tests/world/test_watch.py: watches that close while their peers observe."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.mesh.watch import LivenessWatch
+
+
+def _meet(store: Any, key: str, count: int, timeout: float = 60.0) -> None:
+    """Wait (polling, bounded) until ``key`` counts ``count`` arrivals; this rank arrives first."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while int(store.add(key, 0)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key}: {store.add(key, 0)} of {count} arrived")
+        time.sleep(0.002)
+
+
+def close_and_observe(rank: int, world: int, rounds: int) -> dict[str, Any]:
+    """``rounds`` watches in a row; in each, a block of ranks closes while the others watch on.
+
+    Round ``r``'s leavers are ``r % (world - 1) + 1`` ring neighbours from rank
+    ``r % world``: they close their watches together (as the ranks of a dropped
+    slice do after a heal); every other rank waits until all of them have
+    closed, lets its watch see the sockets end, and records what it learned.
+    Returns the rounds in which this rank counted a leaver as lost.
+    """
+    store = _c10d.default_store()
+    wrong: list[tuple[int, list[int]]] = []
+    relinks = 0
+    for r in range(rounds):
+        first, size = r % world, r % (world - 1) + 1
+        leavers = {(first + i) % world for i in range(size)}
+        watch = LivenessWatch(interval=0.005, timeout=60)
+        _meet(store, f"observe/{r}/linked", world)
+        if rank in leavers:
+            watch.close()
+            store.add(f"observe/{r}/closed", 1)
+        else:
+            _meet(store, f"observe/{r}/closed", size + 1)
+            # The leavers' sockets are closed: the watch thread reads them end within
+            # milliseconds. Look until every leaver is accounted for (left, never lost).
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not leavers <= watch._left | watch.lost():
+                time.sleep(0.005)
+            if watch.lost():
+                wrong.append((r, sorted(watch.lost())))
+            relinks += len(watch._left)
+            watch.close()
+        _meet(store, f"observe/{r}/done", world)
+    return {"rank": rank, "wrong": wrong, "relinks": relinks}
+
+
+def held_then_settled(rank: int, world: int, settle: bool) -> dict[str, Any]:
+    """A group aborted while its collective was in flight, then that collective completes.
+
+    Rank 1 starts an all_reduce on the 2-rank group, is interrupted while it is
+    in flight (the group is held, not closed: gloo's destructor would wait for
+    it), and rank 0 then joins, so the collective completes. Rank 0, which
+    nobody interrupted, goes on to a second all_reduce on the group. Rank 1
+    then settles the group (if ``settle``) and waits until rank 0 is done
+    before closing its mesh. Returns how rank 0's second all_reduce ended: a
+    closed connection at once, or (held open) the group's 20 s timeout.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.c10d.closable import ClosableGroup
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    store = _c10d.default_store()
+    out: dict[str, Any] = {"rank": rank}
+    with ProcessGroupMesh(2, names=("tp",), timeout=20) as mesh:
+        mesh.create_groups("tp")
+        (group,) = mesh._table.groups()
+        assert isinstance(group, ClosableGroup)
+        group.track()
+        handle = mesh.get_group_along_axis("tp")
+        if rank == 1:
+            work = dist.all_reduce(torch.ones(1), group=handle, async_op=True)
+            out["interrupt_closed"] = group.interrupt("the test interrupted it")
+            store.set("held/interrupted", "1")
+            assert work is not None
+            work.wait()  # rank 0 joins: the collective completes
+            del work  # a finished collective's handle keeps gloo's connections too
+            out["settled"] = group.settle() if settle else False
+            store.set("held/settled", "1")
+            store.wait(["held/second-done"], timedelta(seconds=60))
+        else:
+            store.wait(["held/interrupted"], timedelta(seconds=60))
+            dist.all_reduce(torch.ones(1), group=handle)  # completes rank 1's collective
+            store.wait(["held/settled"], timedelta(seconds=60))
+            try:
+                dist.all_reduce(torch.ones(1), group=handle)
+                out["second"] = "completed"
+            except RuntimeError as error:
+                out["second"] = str(error)[:300]
+            store.set("held/second-done", "1")
+    return out
