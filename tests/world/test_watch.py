@@ -291,8 +291,8 @@ def test_a_held_group_closes_once_its_collective_has_ended(settle: bool) -> None
 
 
 @pytest.mark.slow
-def test_soak_50_heals_leave_nothing_behind() -> None:
-    """50 worlds, each losing a random rank at a random step: every heal checked like the
+def test_soak_200_heals_leave_nothing_behind() -> None:
+    """200 worlds, each losing a random rank at a random step: every heal checked like the
     benchmark's (the reference losses, the lost set, fds, threads, store keys); figures printed.
 
     Counts, never times: per heal, every rank that lived had one watch thread while
@@ -303,7 +303,7 @@ def test_soak_50_heals_leave_nothing_behind() -> None:
     import time
 
     rng = random.Random(50)
-    heals = 50
+    heals = 200
     totals: list[float] = []
     running = threads_left = fds_left = keys_left = 0
     started = time.monotonic()
