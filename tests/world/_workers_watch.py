@@ -42,14 +42,20 @@ def close_and_observe(rank: int, world: int, rounds: int) -> dict[str, Any]:
             store.add(f"observe/{r}/closed", 1)
         else:
             _meet(store, f"observe/{r}/closed", size + 1)
-            # The leavers' sockets are closed: the watch thread reads them end within
-            # milliseconds. Look until every leaver is accounted for (left, never lost).
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and not leavers <= watch._left | watch.lost():
+            # The leavers' sockets are closed: this rank's watch relinks past them to
+            # the next observer (bounded wait), then every observer lets its watch read
+            # what is left to read before looking.
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
+                link = watch._succ
+                if link is not None and link[0] not in leavers:
+                    break
                 time.sleep(0.005)
+            _meet(store, f"observe/{r}/relinked", world - size)
+            time.sleep(0.05)  # ten intervals: end-of-file on the peer sockets is read too
             if watch.lost():
                 wrong.append((r, sorted(watch.lost())))
-            relinks += len(watch._left)
+            relinks += len(watch._left & leavers)
             watch.close()
         _meet(store, f"observe/{r}/done", world)
     return {"rank": rank, "wrong": wrong, "relinks": relinks}

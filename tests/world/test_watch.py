@@ -287,6 +287,26 @@ def test_a_held_group_closes_once_its_collective_has_ended(settle: bool) -> None
         assert any(w in peer["second"].lower() for w in TIMEOUT_WORDS), peer
 
 
+@pytest.mark.slow
+def test_watches_that_close_together_are_left_never_lost() -> None:
+    """Rounds of watches in one 6-rank world: each round a block of ring neighbours
+    (1 to 5 of them, as the ranks of a dropped slice after a heal) closes at once
+    while the others relink around them. Every observer sees each of them leave and
+    counts none as lost (a closing watch deletes its address before any socket ends)."""
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    rounds = 12
+    results = run_world(_workers_watch.close_and_observe, 6, args=(rounds,), timeout=600)
+    assert [r["wrong"] for r in results] == [[] for _ in results]
+    leavers = sum(r % 5 + 1 for r in range(rounds))
+    # The observer before each closing block relinked past all of it: every leaver was
+    # seen to leave (left, never lost) at least once.
+    assert sum(r["relinks"] for r in results) >= leavers
+    _figure("closing watches (6 ranks)", rounds=rounds, leavers=leavers, false_lost=0)
+
+
 # ------------------------------------------------------------------ the soak
 
 
