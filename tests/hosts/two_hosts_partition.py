@@ -111,14 +111,15 @@ def blocked(rank: int, host: int, shared: Path, cut_age: float | None) -> int:
     """Report for a rank killed while still blocked; its exit code as the harness sees it."""
     stack = shared / f"stack-{rank}.txt"
     threads: dict[str, list[str]] = {}
-    if stack.exists():  # faulthandler's dump, after the main thread's id (first line)
-        main, _, dump = stack.read_text().partition("\n")
+    if stack.exists():  # faulthandler's dump, after the threads' names (first line)
+        head, _, dump = stack.read_text().partition("\n")
+        names = json.loads(head)
         frames: list[str] = []
         for line in dump.splitlines():
             if line.startswith(("Thread 0x", "Current thread 0x")):
                 ident = line.split("0x", 1)[1].split()[0]
-                frames = threads.setdefault("main" if main == f"0x{ident}" else f"0x{ident}", [])
-            elif line.strip().startswith("File") and len(frames) < 4:
+                frames = threads.setdefault(names.get(f"0x{ident}", f"0x{ident}"), [])
+            elif line.strip().startswith("File") and "threading.py" not in line and len(frames) < 4:
                 frames.append(line.strip())
     watch = shared / f"watch-{rank}.json"
     report = {
@@ -220,14 +221,15 @@ def rank_main(args: argparse.Namespace) -> int:
         watch.guard(fresh)
     ranks = list(fresh.layout.group(fresh.coordinate(), "dp"))
     shared = Path(os.environ["TWO_HOSTS_DIR"])
+    if watch is not None:  # the watch has its thread already: one more changes nothing
+        keep_writing_state(watch, shared / f"watch-{rank}.json")
     stack_file = (shared / f"stack-{rank}.txt").open("w")
-    stack_file.write(f"0x{threading.main_thread().ident:016x}\n")
+    names = {f"0x{t.ident:016x}": t.name for t in threading.enumerate()}  # for the dump
+    stack_file.write(json.dumps(names) + "\n")
     stack_file.flush()
     # A C-level timer, not a Python thread: the library forms groups differently when
     # other Python threads run, and the run without a watch must have none.
     faulthandler.dump_traceback_later(args.observe - 0.5, file=stack_file)
-    if watch is not None:  # the watch has its thread already: one more changes nothing
-        keep_writing_state(watch, shared / f"watch-{rank}.json")
     started, started_wall = time.monotonic(), time.time()
     report: dict[str, Any] = {
         "rank": rank,
