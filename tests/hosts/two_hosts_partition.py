@@ -56,6 +56,12 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         default=45.0,
         help="kill a rank still blocked this long after the cut",
     )
+    parser.add_argument(
+        "--keepalive",
+        default=None,
+        metavar="IDLE,INTERVAL,COUNT",
+        help="a prototype, from outside the library: TCP keepalive on the watch's ring sockets",
+    )
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -152,16 +158,39 @@ def wait_for(what: str, ready: Any, seconds: float) -> None:
 
 
 def watch_state(watch: Any) -> dict[str, Any] | None:
-    """What the watch knows: the lost ranks, its ring link, its thread's last store error."""
+    """What the watch knows: the lost ranks (and when it learned), its ring link, its errors."""
     if watch is None:
         return None
     link = watch._succ  # private, for this report only: which rank this one watches
     failure = watch._failure
+    cut = Path(os.environ["PARTITION_DONE"])
+    cut_at = cut.stat().st_mtime if cut.exists() else None
+    learned = {r: watch.learned_at(r) for r in sorted(watch.lost())}
     return {
         "lost": sorted(watch.lost()),
+        "learned (s after the cut)": {
+            r: None if t is None or cut_at is None else round(t - cut_at, 2)
+            for r, t in learned.items()
+        },
         "watches rank": None if link is None else link[0],
         "thread's last error": None if failure is None else f"{type(failure).__name__}: {failure}",
     }
+
+
+def keepalive(watch: Any, spec: str) -> int:
+    """Turn TCP keepalive on for the ring sockets the watch holds now; how many it set.
+
+    A stand-in for the library change (the watch would set it on every ring socket it
+    makes or accepts): sockets a later relink makes do not get it here.
+    """
+    idle, interval, count = (int(part) for part in spec.split(","))
+    socks = [*watch._peers, *([watch._succ[1]] if watch._succ is not None else [])]
+    for sock in socks:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+    return len(socks)
 
 
 def keep_writing_state(watch: Any, path: Path) -> None:
@@ -211,6 +240,12 @@ def rank_main(args: argparse.Namespace) -> int:
     # Every rank has finished its first collectives; then rank 0 asks for the cut.
     store.add("two-hosts/ready", 1)
     wait_for("every rank ready", lambda: store.add("two-hosts/ready", 0) == WORLD, args.timeout)
+    ring_sockets = None
+    if watch is not None and args.keepalive:
+        # Every ring link is made by now (each rank connected before its watch returned),
+        # and accepted within the watch's next select: give the thread a moment.
+        time.sleep(0.5)
+        ring_sockets = keepalive(watch, args.keepalive)
     if rank == 0:
         request_path.touch()
     wait_for("the partition", done_path.exists, args.timeout)
@@ -235,6 +270,9 @@ def rank_main(args: argparse.Namespace) -> int:
         "rank": rank,
         "host": socket.gethostname(),
         "watch": args.watch,
+        "keepalive on ring sockets": (
+            None if ring_sockets is None else f"{args.keepalive} on {ring_sockets} sockets"
+        ),
         "request": f"a fresh mesh's dp group over ranks {ranks}",
         "requested after the cut (s)": round(started_wall - cut_at, 2),
     }
