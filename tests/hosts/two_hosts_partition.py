@@ -26,6 +26,7 @@ import argparse
 import faulthandler
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -61,6 +62,14 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="IDLE,INTERVAL,COUNT",
         help="a prototype, from outside the library: TCP keepalive on the watch's ring sockets",
+    )
+    parser.add_argument(
+        "--expect-unreachable",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="host A's ranks fail unless their error names the peer across the cut as "
+        "unreachable or dead within SECONDS (issue 22's acceptance check)",
     )
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -206,6 +215,20 @@ def keep_writing_state(watch: Any, path: Path) -> None:
     threading.Thread(target=loop, name="two-hosts-watch-state", daemon=True).start()
 
 
+def unmet(report: dict[str, Any], ranks: list[int], rank: int, seconds: float) -> str | None:
+    """Why ``report`` misses issue 22's bar (the peer named unreachable or dead, in time)."""
+    peer = next(r for r in ranks if r != rank)
+    message = str(report["message"])
+    named = re.search(rf"\brank {peer}\b[^\n]*\b(unreachable|dead|died)\b", message)
+    if report["type"] is None or not named:
+        return f"the error does not name rank {peer} as unreachable or dead"
+    if "different orders" in message or "deadlock" in message:
+        return "the error blames the order of requests"
+    if report["seconds to the error"] > seconds:
+        return f"the error came after {report['seconds to the error']} s, not within {seconds:g} s"
+    return None
+
+
 def rank_main(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", "Failed to initialize NumPy")
     import torch
@@ -288,14 +311,18 @@ def rank_main(args: argparse.Namespace) -> int:
     report["seconds from the cut"] = round(time.time() - cut_at, 2)
     report["watch state"] = watch_state(watch)
     faulthandler.cancel_dump_traceback_later()
+    failed = None
+    if args.expect_unreachable is not None and host == "hostA":
+        failed = unmet(report, ranks, rank, args.expect_unreachable)
+        report["expectation"] = failed or "met"
     emit(report)
 
     if host == "hostB":
         # Cut off from the store: closing anything here would wait for it. Leave now.
         sys.stdout.flush()
         os._exit(CUT_OFF)
-    if report["type"] is None:
-        return 1  # a request across a partition must not succeed: the harness is broken
+    if report["type"] is None or failed:
+        return 1  # a group formed across a partition (the harness is broken), or a miss
     fresh.close()
     mesh.close()
     if watch is not None:
