@@ -54,7 +54,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--observe",
         type=float,
-        default=45.0,
+        default=35.0,
         help="kill a rank still blocked this long after the cut",
     )
     parser.add_argument(
