@@ -58,12 +58,6 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="kill a rank still blocked this long after the cut",
     )
     parser.add_argument(
-        "--keepalive",
-        default=None,
-        metavar="IDLE,INTERVAL,COUNT",
-        help="a prototype, from outside the library: TCP keepalive on the watch's ring sockets",
-    )
-    parser.add_argument(
         "--expect-unreachable",
         type=float,
         default=None,
@@ -186,22 +180,6 @@ def watch_state(watch: Any) -> dict[str, Any] | None:
     }
 
 
-def keepalive(watch: Any, spec: str) -> int:
-    """Turn TCP keepalive on for the ring sockets the watch holds now; how many it set.
-
-    A stand-in for the library change (the watch would set it on every ring socket it
-    makes or accepts): sockets a later relink makes do not get it here.
-    """
-    idle, interval, count = (int(part) for part in spec.split(","))
-    socks = [*watch._peers, *([watch._succ[1]] if watch._succ is not None else [])]
-    for sock in socks:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
-    return len(socks)
-
-
 def keep_writing_state(watch: Any, path: Path) -> None:
     """Write what ``watch`` knows to ``path`` every second, for a report if this rank hangs."""
 
@@ -263,12 +241,6 @@ def rank_main(args: argparse.Namespace) -> int:
     # Every rank has finished its first collectives; then rank 0 asks for the cut.
     store.add("two-hosts/ready", 1)
     wait_for("every rank ready", lambda: store.add("two-hosts/ready", 0) == WORLD, args.timeout)
-    ring_sockets = None
-    if watch is not None and args.keepalive:
-        # Every ring link is made by now (each rank connected before its watch returned),
-        # and accepted within the watch's next select: give the thread a moment.
-        time.sleep(0.5)
-        ring_sockets = keepalive(watch, args.keepalive)
     if rank == 0:
         request_path.touch()
     wait_for("the partition", done_path.exists, args.timeout)
@@ -293,9 +265,6 @@ def rank_main(args: argparse.Namespace) -> int:
         "rank": rank,
         "host": socket.gethostname(),
         "watch": args.watch,
-        "keepalive on ring sockets": (
-            None if ring_sockets is None else f"{args.keepalive} on {ring_sockets} sockets"
-        ),
         "request": f"a fresh mesh's dp group over ranks {ranks}",
         "requested after the cut (s)": round(started_wall - cut_at, 2),
     }
