@@ -174,13 +174,26 @@ def formation_error(
 ) -> GroupFormationError:
     """The error for a group that could not be made, with the likely cause.
 
-    Members that did not meet (a wait or a connection failed) and a backend that
-    failed on its own (say, NCCL without a CUDA device) read differently.
+    Members that did not meet (a wait or a connection failed), a rank cut off
+    from the store, and a backend that failed on its own (say, NCCL without a
+    CUDA device) read differently.
 
     >>> str(formation_error("nccl", "axis 'dp'", [0, 1], None, RuntimeError("no GPU")))
     "the nccl backend failed to make the process group along axis 'dp' over ranks [0, 1]: no GPU"
+    >>> cut_off = dist.DistNetworkError("Connection timed out")  # the store's host went silent
+    >>> print(formation_error("gloo", "axis 'dp'", [0, 2], None, cut_off))  # doctest: +NORMALIZE_WHITESPACE
+    could not form the gloo process group along axis 'dp' over ranks [0, 2]: this rank lost
+    its connection to torch's store (the store's host is unreachable or down, or the store is
+    gone), so no group can form. torch said: Connection timed out
     """
     text = str(error)
+    if isinstance(error, dist.DistNetworkError):  # the store's connection, not the members
+        return GroupFormationError(
+            f"could not form the {backend} process group along {what} over ranks "
+            f"{list(ranks)}: this rank lost its connection to torch's store (the store's host "
+            f"is unreachable or down, or the store is gone), so no group can form. torch said: "
+            f"{text}"
+        )
     if not any(word in text.lower() for word in _MEETING_FAILURES):
         return GroupFormationError(
             f"the {backend} backend failed to make the process group along {what} over "
