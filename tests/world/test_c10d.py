@@ -240,7 +240,7 @@ def test_opposite_order_raises_group_formation_error_naming_axis_and_ranks(
         else:  # ranks 2 and 3 wait for rank 0: told of the deadlock, or of rank 0 at the timeout
             assert (
                 "is held by a deadlock in group formation among ranks" in f["error"]
-                or "within 0:00:02" in f["error"]
+                or "within 0:00:06" in f["error"]
             ), f["error"]
         assert "in different orders" in f["error"]
         assert f["elapsed"] < 60.0  # it ends: a bound on "never hangs"
