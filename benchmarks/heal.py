@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.c10d.diagnosis import read
+from scopedmesh.mesh.watch import ROOT, LivenessWatch
 from scopedmesh.testing.launcher import world_context
 
 SHAPE = (2, 2, 2)
@@ -318,12 +319,33 @@ def launch(plan: dict[str, Any], world: int = 8, timeout: float = 300.0) -> dict
         reports = {
             int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")
         }
-    keys = [k for k in store.list_keys() if k.startswith("scopedmesh-watch/")]
     return {
         "reports": reports,
         "exitcodes": {r: p.exitcode for r, p in enumerate(procs)},
-        "watch_keys": sorted(k for k in keys if "/count/" not in k),
+        "watch_keys": watch_keys(store, range(world)),
     }
+
+
+def watch_keys(store: Any, ranks: Iterable[int]) -> list[str]:
+    """The liveness watches' keys left in ``store``, but the per-rank counters kept by design.
+
+    torch 2.10+ lists a store's keys; before that, every key a watch of ``ranks``
+    can write is asked for by name.
+    """
+    if hasattr(store, "list_keys"):
+        keys = store.list_keys()
+        return sorted(k for k in keys if k.startswith(f"{ROOT}/") and "/count/" not in k)
+    ranks = list(ranks)
+    counts = [read(store, f"{ROOT}/count/{rank}") for rank in ranks]
+    names: list[str] = []
+    for number in range(1, max(int(count or 0) for count in counts) + 1):
+        prefix = f"{ROOT}/{number}"
+        names += [f"{prefix}/{name}" for name in ("closed", "deaths", "lost", "tags")]
+        names += [f"{prefix}/{kind}/{rank}" for kind in ("addr", "lost") for rank in ranks]
+        for tag in filter(None, (read(store, f"{prefix}/tags") or "").split("\n")):
+            names.append(f"{prefix}/agree/{tag}/decision")
+            names += [f"{prefix}/agree/{tag}/alive/{rank}" for rank in ranks]
+    return sorted(name for name in names if store.check([name]))
 
 
 def phases(result: dict[str, Any], victim: int) -> list[float]:

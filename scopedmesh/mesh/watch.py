@@ -499,13 +499,15 @@ class LivenessWatch:
                 return None
 
     def _declare(self, rank: int, reason: str) -> None:
-        """Learn ``rank``'s death, then write it and ``reason`` to the store (once, whoever
-        sees it first): the guarded meshes here are aborted even if the store cannot be reached."""
-        self._learn({rank: reason})
+        """Write ``rank``'s death and ``reason`` to the store (once, whoever sees it first),
+        so that the others learn it first; then learn it here, even if the store failed."""
         store, me = self._thread_store, f"{self.rank}:{reason}"
-        if store.compare_set(self._key("lost", rank), "", me).decode() == me:
-            store.append(f"{self.prefix}/lost", f"{rank}:{reason},")
-            store.add(f"{self.prefix}/deaths", 1)
+        try:
+            if store.compare_set(self._key("lost", rank), "", me).decode() == me:
+                store.append(f"{self.prefix}/lost", f"{rank}:{reason},")
+                store.add(f"{self.prefix}/deaths", 1)
+        finally:
+            self._learn({rank: reason})
 
     def _learn(self, dead: dict[int, str]) -> None:
         """Learn the deaths in ``dead`` (rank -> reason); abort the guarded meshes they hit."""
