@@ -24,7 +24,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import heal  # noqa: E402
+from scopedmesh.c10d import closable  # noqa: E402
 from scopedmesh.layout import MeshLayout  # noqa: E402
+
+# Aborting a collective in flight needs closable gloo groups, which torch 2.9 cannot
+# make (docs/healing.md, "Releases"): there a blocked collective ends at its timeout.
+needs_interrupt = pytest.mark.skipif(
+    not closable.supported(),
+    reason="this torch cannot make closable gloo groups: a collective in flight is not aborted",
+)
 
 LAYOUT = MeshLayout(heal.SHAPE, names=heal.NAMES)
 VICTIM, KILL_STEP, STEPS = 5, 3, 7
@@ -86,6 +94,7 @@ def killed() -> dict[str, Any]:
     return heal.launch(plan, timeout=300)
 
 
+@needs_interrupt
 def test_every_survivor_learns_of_a_sigkill_and_agrees(killed: dict[str, Any]) -> None:
     reports = _reports(killed)
     assert killed["exitcodes"][VICTIM] == -9  # SIGKILL
@@ -108,6 +117,7 @@ def test_every_survivor_learns_of_a_sigkill_and_agrees(killed: dict[str, Any]) -
     )
 
 
+@needs_interrupt
 def test_a_rank_blocked_with_healthy_peers_is_aborted_not_timed_out(
     killed: dict[str, Any],
 ) -> None:
@@ -120,6 +130,7 @@ def test_a_rank_blocked_with_healthy_peers_is_aborted_not_timed_out(
     assert "liveness watch learned that rank(s) [5] died" in sleeper["message"]
 
 
+@needs_interrupt
 def test_nothing_left_after_the_watch_stops(killed: dict[str, Any]) -> None:
     _check_nothing_left(killed, _reports(killed))
 
@@ -137,6 +148,7 @@ def test_a_stopped_or_busy_rank_is_not_declared_lost(tmp_path: Path) -> None:
     _check_nothing_left(result, reports)
 
 
+@needs_interrupt
 def test_a_second_death_during_the_agreement_is_agreed_on_too() -> None:
     """Rank 6 checks in to the agreement, then dies; rank 7 agrees late: all decide {5, 6}."""
     plan = {
@@ -152,6 +164,7 @@ def test_a_second_death_during_the_agreement_is_agreed_on_too() -> None:
     _check_nothing_left(result, reports)
 
 
+@needs_interrupt
 def test_the_benchmark_runs_and_prints_its_line(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.heal", "--kills", "2", "--steps", "6"],
@@ -266,6 +279,7 @@ def test_a_formation_under_a_watch_opens_no_store_connection(one_rank: Any) -> N
             other.join()
 
 
+@needs_interrupt
 @pytest.mark.parametrize("settle", [True, False])
 def test_a_held_group_closes_once_its_collective_has_ended(settle: bool) -> None:
     """A group aborted mid-collective is held; once that collective completes, settle()
@@ -287,6 +301,7 @@ def test_a_held_group_closes_once_its_collective_has_ended(settle: bool) -> None
 
 
 @pytest.mark.slow
+@needs_interrupt
 def test_watches_that_close_together_are_left_never_lost() -> None:
     """Rounds of watches in one 6-rank world: each round a block of ring neighbours
     (1 to 5 of them, as the ranks of a dropped slice after a heal) closes at once
@@ -310,6 +325,7 @@ def test_watches_that_close_together_are_left_never_lost() -> None:
 
 
 @pytest.mark.slow
+@needs_interrupt
 def test_soak_200_heals_leave_nothing_behind() -> None:
     """200 worlds, each losing a random rank at a random step: every heal checked like the
     benchmark's (the reference losses, the lost set, fds, threads, store keys); figures printed.
