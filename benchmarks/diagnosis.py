@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scopedmesh.c10d.diagnosis import process_gone
 from scopedmesh.errors import GroupFormationError
 
 CYCLE3 = {0: [0, 1], 1: [1, 2], 2: [0, 2]}
@@ -79,13 +80,7 @@ def dead(rank: int, world_size: int) -> tuple[float, str] | None:
         os._exit(0)
     pid = int(store.get("bench-diagnosis/pid/1"))
     end = time.monotonic() + 30
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    break
-        except OSError:
-            break
+    while not process_gone(pid) and time.monotonic() < end:
         time.sleep(0.01)
     with ProcessGroupMesh(2, names=("x",)) as mesh:
         return _wait(mesh, "x")

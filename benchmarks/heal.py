@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
 from scopedmesh.c10d.diagnosis import read
-from scopedmesh.mesh.watch import ROOT, LivenessWatch
+from scopedmesh.mesh.watch import ROOT, LivenessWatch, key_names
 from scopedmesh.testing.launcher import world_context
 
 SHAPE = (2, 2, 2)
@@ -340,11 +340,8 @@ def watch_keys(store: Any, ranks: Iterable[int]) -> list[str]:
     names: list[str] = []
     for number in range(1, max(int(count or 0) for count in counts) + 1):
         prefix = f"{ROOT}/{number}"
-        names += [f"{prefix}/{name}" for name in ("closed", "deaths", "lost", "tags")]
-        names += [f"{prefix}/{kind}/{rank}" for kind in ("addr", "lost") for rank in ranks]
-        for tag in filter(None, (read(store, f"{prefix}/tags") or "").split("\n")):
-            names.append(f"{prefix}/agree/{tag}/decision")
-            names += [f"{prefix}/agree/{tag}/alive/{rank}" for rank in ranks]
+        tags = (read(store, f"{prefix}/tags") or "").split("\n")
+        names += key_names(prefix, ranks, tags)
     return sorted(name for name in names if store.check([name]))
 
 

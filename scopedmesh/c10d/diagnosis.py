@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
@@ -56,6 +56,7 @@ __all__ = [
     "WatchedStore",
     "announcement_key",
     "peer_lost",
+    "process_gone",
     "process_key",
     "read",
     "record_process",
@@ -100,6 +101,21 @@ def _stat(pid: int) -> list[str] | None:
     return text[text.rfind(")") + 2 :].split()
 
 
+def _running(fields: list[str] | None) -> TypeGuard[list[str]]:
+    """Whether a process whose ``/proc/<pid>/stat`` reads ``fields`` runs: the file exists,
+    and it is not a zombie nobody reaped yet."""
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host (and pid namespace) has ended; Linux ``/proc``.
+
+    >>> process_gone(os.getpid())
+    False
+    """
+    return not _running(_stat(pid))
+
+
 def _namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -123,13 +139,13 @@ def _process_alive(process: dict[str, Any]) -> bool | None:
     """Whether ``process`` (from :func:`this_process` on some rank) runs: None if we cannot see it."""
     here = this_process()
     if process.get("host") != here["host"] or process.get("ns") != here["ns"]:
-        return None  # another host or pid namespace: issue 23's liveness watch will tell
+        return None  # another host or pid namespace: only a liveness watch can tell (peer_lost)
     pid = process.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return None
     if os.path.isdir("/proc/self"):
         fields = _stat(pid)
-        if fields is None or fields[0] in ("Z", "X"):  # gone, or a zombie nobody reaped yet
+        if not _running(fields):
             return False
         return not process.get("start") or len(fields) <= 19 or fields[19] == process["start"]
     try:

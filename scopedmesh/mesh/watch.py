@@ -141,6 +141,24 @@ def _deaths(text: str) -> dict[int, str]:
     return {int(rank): reason for rank, _, reason in entries}
 
 
+def key_names(prefix: str, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
+    """Every key the watches under ``prefix`` over ``ranks`` can leave, given their agreement
+    ``tags`` (empty ones are skipped); the per-rank counters of watches are not among them.
+
+    >>> key_names("scopedmesh-watch/1", [0], ["t"])  # doctest: +NORMALIZE_WHITESPACE
+    ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/deaths', 'scopedmesh-watch/1/lost',
+     'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/agree/t/decision',
+     'scopedmesh-watch/1/addr/0', 'scopedmesh-watch/1/lost/0', 'scopedmesh-watch/1/agree/t/alive/0']
+    """
+    tags = [tag for tag in tags if tag]
+    keys = [f"{prefix}/{name}" for name in ("closed", "deaths", "lost", "tags")]
+    keys += [f"{prefix}/agree/{tag}/decision" for tag in tags]
+    for rank in ranks:
+        keys += [f"{prefix}/addr/{rank}", f"{prefix}/lost/{rank}"]
+        keys += [f"{prefix}/agree/{tag}/alive/{rank}" for tag in tags]
+    return keys
+
+
 class LivenessWatch:
     """Which members are alive, learned from their open sockets; aborts the meshes it guards.
 
@@ -632,13 +650,8 @@ class LivenessWatch:
         dead = store.add(f"{prefix}/deaths", 0)
         if closed + dead < len(self.ranks):
             return
-        tags = set()
+        tags: list[str] = []
         if store.check([f"{prefix}/tags"]):
-            tags = {t for t in store.get(f"{prefix}/tags").decode().split("\n") if t}
-        keys = [f"{prefix}/{name}" for name in ("closed", "deaths", "lost", "tags")]
-        for rank in self.ranks:
-            keys += [self._key("addr", rank), self._key("lost", rank)]
-            keys += [f"{prefix}/agree/{tag}/alive/{rank}" for tag in tags]
-        keys += [f"{prefix}/agree/{tag}/decision" for tag in tags]
-        for key in keys:
+            tags = store.get(f"{prefix}/tags").decode().split("\n")
+        for key in key_names(prefix, self.ranks, tags):
             store.delete_key(key)

@@ -28,20 +28,14 @@ import sys
 import time
 from pathlib import Path
 
+from _hosts import wait_file
+
 WINDOW = 8.0  # seconds each host watches its connections after the cut
 KINDS = ("idle", "keepalive", "sending")
 
 
 def port() -> int:
     return int(os.environ["MASTER_PORT"])
-
-
-def wait_file(path: Path, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {seconds} s")
-        time.sleep(0.02)
 
 
 def counters() -> dict[str, int]:

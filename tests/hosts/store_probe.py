@@ -21,16 +21,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from _hosts import wait_file
+
 CUT_OFF = 3
 TIMEOUT = timedelta(seconds=5)
-
-
-def wait_file(path: Path, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {seconds:g} s")
-        time.sleep(0.02)
 
 
 def main() -> int:

@@ -14,11 +14,11 @@ import re
 import time
 import warnings
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _workers_common import wait_gone
 from _workers_mesh import Check, members, run_checks, total
 from probes import error_text, record_new_groups
 from torch.distributed import distributed_c10d as c10d
@@ -422,7 +422,7 @@ def peer_death(rank: int, world_size: int) -> dict[str, Any]:
         if rank == DEAD_RANK:
             os._exit(0)
         pid = int(store.get("test-c10d/dead-pid"))
-        gone = _wait_gone(pid)
+        gone = wait_gone(pid)
         live_open = _c10d.live_group_count()
         start = time.monotonic()
         if trio is not None:
@@ -436,21 +436,6 @@ def peer_death(rank: int, world_size: int) -> dict[str, Any]:
         "elapsed": elapsed,
         "live": _c10d.live_group_count(),
     }
-
-
-def _wait_gone(pid: int, limit: float = 30.0) -> bool:
-    """Whether process ``pid`` has ended (a zombie or reaped) within ``limit`` seconds."""
-    stat = Path(f"/proc/{pid}/stat")
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            state = stat.read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 C10D_CHECKS: list[Check] = [

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.diagnosis import process_gone
 
 NAMES = ("dp", "tp")
 
@@ -17,6 +20,16 @@ def rss_kib() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmRSS line in /proc/self/status")
+
+
+def wait_gone(pid: int, limit: float = 30.0) -> bool:
+    """Whether process ``pid`` has ended (exited, or a zombie) within ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not process_gone(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def live() -> int:

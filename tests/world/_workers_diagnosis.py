@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
-from _workers_common import summed
+from _workers_common import summed, wait_gone
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.diagnosis import process_key
@@ -60,19 +60,6 @@ def leftovers() -> list[str]:
 
 def _publish_pid(rank: int) -> None:
     _c10d.default_store().set(f"test-diagnosis/pid/{rank}", str(os.getpid()))
-
-
-def _wait_gone(pid: int) -> None:
-    """Until ``pid`` no longer runs (exited, or a zombie), at most 30 s."""
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except OSError:
-            return
-        time.sleep(0.05)
 
 
 def _survivors_meet(count: int) -> None:
@@ -191,7 +178,7 @@ def dead_peer(rank: int, world_size: int, how: str) -> dict[str, Any] | None:
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(0)
     pid = int(_c10d.default_store().get(f"test-diagnosis/pid/{dead}"))
-    _wait_gone(pid)
+    wait_gone(pid)
     with ProcessGroupMesh(world_size, names=("x",), timeout=LONG) as mesh:
         out["first"] = ask(mesh, "x")
     out["dead_pid"] = pid
