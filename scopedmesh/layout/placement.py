@@ -92,27 +92,10 @@ def node_aware_ranks(
         )
     layout = MeshLayout(shape, names, range(len(numbers)))
     inner = _intra_axes(layout, intra_node)
-    members: list[list[int]] = [[] for _ in range(max(numbers, default=-1) + 1)]
-    for rank, node in enumerate(numbers):
-        members[node].append(rank)
-    sizes = [len(m) for m in members]
-    if len(set(sizes)) > 1:
-        counts = ", ".join(f"{n}: {s}" for n, s in enumerate(sizes))
-        raise ValueError(
-            f"nodes must hold equal numbers of ranks; ranks per node (numbered by lowest rank) "
-            f"are {{{counts}}}"
-        )
-    per_node = sizes[0]
+    members = _node_members(numbers)
     block = math.prod(layout.shape[a] for a in inner)
-    if per_node % block:
-        labels = layout.names or tuple(f"axis{a}" for a in range(layout.ndim))
-        axes = " x ".join(f"{labels[a]}={layout.shape[a]}" for a in inner)
-        holds = f"only {per_node} ranks" if per_node < block else f"{per_node} ranks"
-        raise ValueError(
-            f"the intra-node axes ({axes}) hold {block} ranks but a node holds {holds}; "
-            f"a node must hold a multiple of {block} ranks (keep fewer or smaller axes inside "
-            f"a node)"
-        )
+    per_node = len(members[0])
+    _check_node_holds(layout, inner, block, per_node=per_node)
     fill = per_node // block  # outer positions per node
     outer = [a for a in range(layout.ndim) if a not in inner]
     inner_sizes = [layout.shape[a] for a in inner]
@@ -123,6 +106,36 @@ def node_aware_ranks(
         j = _c_index([coord[a] for a in inner], inner_sizes)
         table.append(members[k // fill][(k % fill) * block + j])
     return tuple(table)
+
+
+def _node_members(numbers: Sequence[int]) -> list[list[int]]:
+    """The ranks of each node, ascending; ``ValueError`` unless every node holds as many."""
+    members: list[list[int]] = [[] for _ in range(max(numbers, default=-1) + 1)]
+    for rank, node in enumerate(numbers):
+        members[node].append(rank)
+    sizes = [len(m) for m in members]
+    if len(set(sizes)) > 1:
+        counts = ", ".join(f"{n}: {s}" for n, s in enumerate(sizes))
+        raise ValueError(
+            f"nodes must hold equal numbers of ranks; ranks per node (numbered by lowest rank) "
+            f"are {{{counts}}}"
+        )
+    return members
+
+
+def _check_node_holds(
+    layout: MeshLayout, inner: Sequence[int], block: int, *, per_node: int
+) -> None:
+    """``ValueError`` unless a node of ``per_node`` ranks holds whole blocks of the inner axes."""
+    if per_node % block:
+        labels = layout.names or tuple(f"axis{a}" for a in range(layout.ndim))
+        axes = " x ".join(f"{labels[a]}={layout.shape[a]}" for a in inner)
+        holds = f"only {per_node} ranks" if per_node < block else f"{per_node} ranks"
+        raise ValueError(
+            f"the intra-node axes ({axes}) hold {block} ranks but a node holds {holds}; "
+            f"a node must hold a multiple of {block} ranks (keep fewer or smaller axes inside "
+            f"a node)"
+        )
 
 
 def _intra_axes(layout: MeshLayout, intra_node: object) -> tuple[int, ...]:

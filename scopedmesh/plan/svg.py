@@ -93,35 +93,9 @@ def render_svg(plan: Plan) -> str:
         width = CHAR * 30 if lead is None else grid_w
         panels.append(_Panel(lead, width, grid_h))
 
-    rank_coord = plan.rank.coordinate if plan.rank is not None else None
-    group_axes = [g.axis.axes for g in plan.rank.groups] if plan.rank is not None else []
-
-    def member_of(coord: Sequence[int]) -> list[int]:
-        """Indices of the --rank groups that hold the rank at ``coord``."""
-        if rank_coord is None:
-            return []
-        return [
-            i
-            for i, axes in enumerate(group_axes)
-            if all(c == rc for a, (c, rc) in enumerate(zip(coord, rank_coord)) if a not in axes)
-        ]
-
-    body: list[str] = []
-    sizes = " x ".join(f"{label}={n}" for label, n in zip(labels, layout.shape))
-    terms = [label if s == 1 else f"{s}*{label}" for label, s in zip(labels, plan.strides)]
-    heading = [f"mesh {sizes}: {layout.size} ranks, rank = {' + '.join(terms)}"]
-    if plan.nproc is not None and plan.nodes is not None:
-        heading.append(
-            f"{plan.nproc} ranks per node, {plan.nodes} nodes (node = rank // {plan.nproc})"
-        )
-    if not plan.full:
-        heading.append(f"summarised like the text view; --full shows all {layout.size} ranks")
-    y: float = MARGIN + 14
-    body.append(_text(MARGIN, y, heading[0], size=16, font_weight="bold"))
-    for line in heading[1:]:
-        y += 20
-        body.append(_text(MARGIN, y, line, size=13, fill="#444"))
-    y += 18
+    member_of = _member_test(plan)
+    heading = _heading(plan)
+    body, y = _heading_svg(heading)
 
     # Panels, in rows that wrap at MAX_WIDTH.
     x, line_h, right = float(MARGIN), 0.0, float(MARGIN)
@@ -129,14 +103,10 @@ def render_svg(plan: Plan) -> str:
         if x > MARGIN and x + panel.width > MAX_WIDTH:
             x, y, line_h = float(MARGIN), y + line_h + GAP, 0.0
         if panel.lead is None:
+            more = f"{ELLIPSIS} {count - 3} more grids {ELLIPSIS}"
             body.append(
                 _text(
-                    x + panel.width / 2,
-                    y + grid_h / 2,
-                    f"{ELLIPSIS} {count - 3} more grids {ELLIPSIS}",
-                    size=13,
-                    anchor="middle",
-                    fill="#666",
+                    x + panel.width / 2, y + grid_h / 2, more, size=13, anchor="middle", fill="#666"
                 )
             )
         else:
@@ -157,6 +127,48 @@ def render_svg(plan: Plan) -> str:
         f'viewBox="0 0 {width:.0f} {height:.0f}" style="{FONT}">\n'
         f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n"
     )
+
+
+def _member_test(plan: Plan) -> Callable[[Sequence[int]], list[int]]:
+    """A test for the ``--rank`` groups: the indices of those that hold the rank at a coordinate."""
+    rank_coord = plan.rank.coordinate if plan.rank is not None else None
+    group_axes = [g.axis.axes for g in plan.rank.groups] if plan.rank is not None else []
+
+    def member_of(coord: Sequence[int]) -> list[int]:
+        if rank_coord is None:
+            return []
+        return [
+            i
+            for i, axes in enumerate(group_axes)
+            if all(c == rc for a, (c, rc) in enumerate(zip(coord, rank_coord)) if a not in axes)
+        ]
+
+    return member_of
+
+
+def _heading(plan: Plan) -> list[str]:
+    """The lines above the grids: the mesh and its rank formula, nodes, summarising."""
+    layout, labels = plan.layout, plan.labels
+    sizes = " x ".join(f"{label}={n}" for label, n in zip(labels, layout.shape))
+    terms = [label if s == 1 else f"{s}*{label}" for label, s in zip(labels, plan.strides)]
+    heading = [f"mesh {sizes}: {layout.size} ranks, rank = {' + '.join(terms)}"]
+    if plan.nproc is not None and plan.nodes is not None:
+        heading.append(
+            f"{plan.nproc} ranks per node, {plan.nodes} nodes (node = rank // {plan.nproc})"
+        )
+    if not plan.full:
+        heading.append(f"summarised like the text view; --full shows all {layout.size} ranks")
+    return heading
+
+
+def _heading_svg(heading: list[str]) -> tuple[list[str], float]:
+    """The heading's text elements and the height below them."""
+    y: float = MARGIN + 14
+    body = [_text(MARGIN, y, heading[0], size=16, font_weight="bold")]
+    for line in heading[1:]:
+        y += 20
+        body.append(_text(MARGIN, y, line, size=13, fill="#444"))
+    return body, y + 18
 
 
 def _panel_svg(
@@ -206,35 +218,49 @@ def _panel_svg(
                 )
                 continue
             coord = (*lead, c) if r is None else (*lead, r, c)
-            rank = layout.ravel(coord)
-            node = None if plan.nproc is None else rank // plan.nproc
-            fill = PLAIN if node is None else NODE_COLOURS[node % len(NODE_COLOURS)]
             inside = member_of(coord)
             for g in inside:
                 boxes.setdefault(g, []).append((i, j))
-            axes_in = " ".join(plan.rank.groups[g].axis.label for g in inside) if plan.rank else ""
-            me = plan.rank is not None and rank == plan.rank.rank
-            tip = f"rank {rank} {tuple(coord)}" + ("" if node is None else f" node {node}")
-            attrs = f'class="rank" data-rank="{rank}"'
-            if node is not None:
-                attrs += f' data-node="{node}"'
-            if plan.rank is not None:
-                attrs += f" data-in={quoteattr(axes_in)}"
-            stroke = (
-                'stroke="black" stroke-width="2.5"' if me else 'stroke="white" stroke-width="1"'
-            )
-            out.append(
-                f"<g {attrs}><title>{escape(tip)}</title>"
-                f'<rect x="{cx:.1f}" y="{cy:.1f}" width="{cw:.1f}" height="{ROW_H}" fill="{fill}" {stroke}/>'
-                + _text(
-                    cx + cw / 2,
-                    cy + ROW_H / 2 + 4,
-                    str(rank),
-                    anchor="middle",
-                    font_weight="bold" if me else "normal",
-                )
-                + "</g>"
-            )
+            out.append(_rank_cell(plan, coord, inside, cx, cy, cw))
+    out += _group_outlines(plan, boxes, x0 + lw, gy, cw)
+    return out
+
+
+def _rank_cell(
+    plan: Plan, coord: Sequence[int], inside: list[int], cx: float, cy: float, cw: float
+) -> str:
+    """One rank's cell: a ``<g class="rank">`` with its facts as data attributes."""
+    rank = plan.layout.ravel(coord)
+    node = None if plan.nproc is None else rank // plan.nproc
+    fill = PLAIN if node is None else NODE_COLOURS[node % len(NODE_COLOURS)]
+    axes_in = " ".join(plan.rank.groups[g].axis.label for g in inside) if plan.rank else ""
+    me = plan.rank is not None and rank == plan.rank.rank
+    tip = f"rank {rank} {tuple(coord)}" + ("" if node is None else f" node {node}")
+    attrs = f'class="rank" data-rank="{rank}"'
+    if node is not None:
+        attrs += f' data-node="{node}"'
+    if plan.rank is not None:
+        attrs += f" data-in={quoteattr(axes_in)}"
+    stroke = 'stroke="black" stroke-width="2.5"' if me else 'stroke="white" stroke-width="1"'
+    return (
+        f"<g {attrs}><title>{escape(tip)}</title>"
+        f'<rect x="{cx:.1f}" y="{cy:.1f}" width="{cw:.1f}" height="{ROW_H}" fill="{fill}" {stroke}/>'
+        + _text(
+            cx + cw / 2,
+            cy + ROW_H / 2 + 4,
+            str(rank),
+            anchor="middle",
+            font_weight="bold" if me else "normal",
+        )
+        + "</g>"
+    )
+
+
+def _group_outlines(
+    plan: Plan, boxes: dict[int, list[tuple[int, int]]], gx: float, gy: float, cw: float
+) -> list[str]:
+    """One rectangle per ``--rank`` group over its visible cells (row, column)."""
+    out = []
     for g, cells in sorted(boxes.items()):
         inset = 1.5 + 2.5 * g
         i0, i1 = min(i for i, _ in cells), max(i for i, _ in cells)
@@ -243,7 +269,7 @@ def _panel_svg(
         label = plan.rank.groups[g].axis.label if plan.rank else ""
         out.append(
             f'<rect class="group" data-axes={quoteattr(label)} '
-            f'x="{x0 + lw + cw * j0 + inset:.1f}" y="{gy + ROW_H * i0 + inset:.1f}" '
+            f'x="{gx + cw * j0 + inset:.1f}" y="{gy + ROW_H * i0 + inset:.1f}" '
             f'width="{cw * (j1 - j0 + 1) - 2 * inset:.1f}" height="{ROW_H * (i1 - i0 + 1) - 2 * inset:.1f}" '
             f'fill="none" stroke="{colour}" stroke-width="2" rx="3"/>'
         )
