@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_readme import ENV, TIMING_FREE
+from _doc_files import ENV, Session, run_files
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # Pages whose blocks their own tests run.
@@ -37,20 +37,42 @@ def test_docs_have_python_blocks_and_few_sketches() -> None:
         assert (DOCS.parent / sketch.group(1)).is_file(), sketch.group(1)
 
 
+def _file_name(page: str, index: int, block: str) -> str | None:
+    """The name a pytest block runs under: its own, made unique by its page and place."""
+    name = re.match(r"# test_(\w+)\.py", block)
+    return None if name is None else f"test_{Path(page).stem}_{index}_{name.group(1)}.py"
+
+
+@pytest.fixture(scope="module")
+def doc_session(tmp_path_factory: pytest.TempPathFactory) -> Session:
+    """Every pytest block of docs/, run once, together, under the plugin."""
+    files = {}
+    for page, index, block in _blocks():
+        name = _file_name(page, index, block)
+        if name is not None:
+            files[name] = block
+    return run_files(files, tmp_path_factory.mktemp("docs"))
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize(("page", "index", "block"), _blocks(), ids=lambda v: str(v)[:20])
-def test_docs_block_runs(page: str, index: int, block: str, tmp_path: Path) -> None:
+def test_docs_block_runs(
+    page: str, index: int, block: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     if block.startswith("# sketch:"):
         return  # checked above: it names an example that tests/world/test_examples.py runs
-    name = re.match(r"# (test_\w+\.py)", block)
+    name = _file_name(page, index, block)
     if name is not None:
-        (tmp_path / name.group(1)).write_text(block)
-        (tmp_path / "conftest.py").write_text(TIMING_FREE)
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name.group(1)]
-    else:
-        (tmp_path / "block.py").write_text(block)
-        command = [sys.executable, "block.py"]
+        request.getfixturevalue("doc_session").check(name)
+        return
+    (tmp_path / "block.py").write_text(block)
     run = subprocess.run(
-        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=ENV
+        [sys.executable, "block.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
     )
     assert run.returncode == 0, f"{page} block {index}:\n{run.stdout}{run.stderr}"
 

@@ -21,6 +21,9 @@ import torch
 
 from scopedmesh import MeshLayout
 
+# Each example runs under torchrun, as its docstring tells a user to: the launch lane.
+pytestmark = pytest.mark.launch
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 300.0

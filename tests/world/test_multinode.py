@@ -29,6 +29,9 @@ import pytest
 from scopedmesh.layout import MeshLayout
 from scopedmesh.plan.cli import main as cli
 
+# Two torchrun agents per test: the launch lane.
+pytestmark = pytest.mark.launch
+
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("dp", "pp", "tp")
 ROW = re.compile(

@@ -15,6 +15,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
+# Three torchrun agents: the launch lane.
+pytestmark = pytest.mark.launch
+
 ROOT = Path(__file__).resolve().parents[2]
 HEALED = re.compile(
     r"^\[agent (\d)\] rank (\d+) pid \d+ agent \d+ node \d: healed at [\d.]+ .*: "
