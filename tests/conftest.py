@@ -26,7 +26,8 @@ settings.load_profile("scopedmesh")
 
 
 # The marked lanes. Each is also `slow`, so the README's `-m "not slow"` leaves it
-# out and `-m slow` (which .ci/run runs after it) takes every lane.
+# out; .ci/run runs them after it (`-m "launch or fault or soak"`). A test marked
+# `slow` alone is an at-length form (fuzzing, 1,000-cycle soaks), run by hand.
 LANES = ("launch", "fault", "soak")
 
 
