@@ -39,3 +39,9 @@ def test_changelog_has_unreleased_and_release_procedure() -> None:
         assert heading == "## [Unreleased]" or re.fullmatch(
             r"## \[\d+\.\d+\.\d+\] - \d{4}-\d{2}-\d{2}", heading
         ), heading
+
+
+def test_readme_stays_a_front_page() -> None:
+    """The README is read whole, by people deciding whether to use the library: detail goes to docs/."""
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 12_000, f"README.md is {size} bytes; move detail to docs/ (limit 12,000)"
