@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import pickle
 import traceback
 import warnings
@@ -720,6 +721,9 @@ def dtensor_any_order(rank: int, world_size: int) -> dict[str, Any]:
     """DTensor over meshes whose ranks do not ascend: shards follow coordinates."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    # Gathering columns sharded over both axes is two all_gathers, and torch says so
+    # (a warning per rank) every time; here it is the point, so it need not be said.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for label, (shape, table) in ORDERS.items():
         layout = MeshLayout(shape, names=("dp", "tp"), ranks=table)
