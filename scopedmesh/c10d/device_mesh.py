@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from scopedmesh.c10d.groups import live_groups
+from scopedmesh.c10d.groups import group_names, live_groups
 from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 
@@ -117,14 +116,11 @@ class ScopedDeviceMesh(DeviceMesh):
 
     def _flatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
         self._check_open()
-        with _adopting_new_groups(self._lifetime):
-            flat = super()._flatten(*args, **kwargs)
-        return _bind(flat, self._lifetime)
+        return _bind(_adopting(self._lifetime, super()._flatten, *args, **kwargs), self._lifetime)
 
     def _unflatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
         self._check_open()
-        with _adopting_new_groups(self._lifetime):
-            unflat = super()._unflatten(*args, **kwargs)
+        unflat = _adopting(self._lifetime, super()._unflatten, *args, **kwargs)
         return _bind(unflat, self._lifetime)
 
     @property
@@ -157,16 +153,29 @@ def _bind(mesh: DeviceMesh, lifetime: Lifetime) -> DeviceMesh:
     return mesh
 
 
-@contextmanager
-def _adopting_new_groups(lifetime: Lifetime) -> Iterator[None]:
-    """Hand every group torch makes inside the block to ``lifetime`` (even if the block fails)."""
+def _adopting(
+    lifetime: Lifetime, make: Callable[..., DeviceMesh], *args: Any, **kwargs: Any
+) -> DeviceMesh:
+    """``make(*args, **kwargs)``, torch's call that builds a DeviceMesh; the groups torch made
+    for that mesh are handed to ``lifetime``.
+
+    Adoption is tied to the call's result, not to the moment: of the groups
+    that appeared in torch's registry while it ran, only those the new mesh
+    names (``_dim_group_names``) are adopted. A group another thread formed
+    meanwhile (its own mesh's, or one a user made) is not named there and
+    stays its owner's. A call that raises adopts nothing: what it may have
+    made cannot be told from another thread's groups, and leaving a group
+    alive is safe where destroying another scope's is not.
+    """
     live = live_groups()
-    before = set(live)
-    try:
-        yield
-    finally:
-        for group in [group for group in live if group not in before]:
+    before = set(live)  # one C-level copy: atomic under the GIL while other threads add groups
+    mesh = make(*args, **kwargs)
+    used = set(_group_names(mesh))
+    names = group_names()
+    for group in [group for group in tuple(live) if group not in before]:
+        if names.get(group) in used:
             lifetime.adopt(group)
+    return mesh
 
 
 def check_device_type(device_type: object) -> str:
@@ -235,8 +244,10 @@ def build_device_mesh(
         if group is None:  # cannot happen: without indices, every rank is in its group
             raise RuntimeError(f"this rank has no group along axis {names[len(groups)]!r}")
         groups.append(group)
-    with _adopting_new_groups(lifetime):  # from_group makes none; if a release did, it is ours
-        mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
+    # from_group makes no group; should a release make one, it is the scope's.
+    mesh = _adopting(
+        lifetime, DeviceMesh.from_group, groups, device_type, ranks, mesh_dim_names=names
+    )
     bound = _bind(mesh, lifetime)
     if not isinstance(bound, ScopedDeviceMesh):  # a subclass of DeviceMesh: not ours to rebind
         raise TypeError(f"DeviceMesh.from_group returned a {type(mesh).__name__}")
