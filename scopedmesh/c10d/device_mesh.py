@@ -38,6 +38,7 @@ __all__ = [
     "ScopedDeviceMesh",
     "build_device_mesh",
     "check_device_type",
+    "dtensor_caches",
     "forget_closed_meshes",
 ]
 
@@ -254,6 +255,42 @@ def build_device_mesh(
     return bound
 
 
+def dtensor_caches() -> dict[str, Any]:
+    """Every cache of DTensor and DeviceMesh that :func:`forget_closed_meshes` clears, by name.
+
+    The value is the cache (a function with ``cache_clear``, or a dict), or
+    None where this release lacks it (and for DTensor's, while DTensor is not
+    loaded). ``tests/world/test_boundary.py`` pins which names each release has.
+    """
+    tensor = sys.modules.get("torch.distributed.tensor")
+    dispatcher = getattr(getattr(tensor, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    topology = sys.modules.get("torch.distributed.tensor._collective_utils")
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    caches: dict[str, Any] = {
+        # the C++ dispatch fast path's cache (torch 2.10 and later)
+        "torch._C._clear_DTensor_sharding_propagator_cache": native if tensor else None,
+        "_redistribute._gen_transform_infos": getattr(redistribute, "_gen_transform_infos", None),
+        "_redistribute._planner_cache": getattr(redistribute, "_planner_cache", None),
+        "_collective_utils.MeshTopoInfo.build_from_mesh": getattr(
+            getattr(topology, "MeshTopoInfo", None), "build_from_mesh", None
+        ),
+    }
+    for name in (
+        "propagate_op_sharding",
+        "_propagate_tensor_meta",
+        "_propagate_tensor_meta_cached",
+    ):
+        caches[f"ShardingPropagator.{name}"] = getattr(propagator, name, None)
+    # torch 2.9: maps keyed by DeviceMesh on a module-level _MeshEnv (thread-local).
+    resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+    for name in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+        found = getattr(resources, name, None)
+        caches[f"_mesh_resources.{name}"] = found if isinstance(found, dict) else None
+    return caches
+
+
 def forget_closed_meshes() -> None:
     """Drop what torch cached about DeviceMeshes whose scope has closed.
 
@@ -266,38 +303,23 @@ def forget_closed_meshes() -> None:
     ones): a mesh that stays open recomputes each of its ops' decisions once.
     The redistribute planners (keyed by weak references) and torch 2.9's
     mesh-keyed maps lose only the closed meshes' entries. Each cache is looked
-    up by name and skipped where a release lacks it.
+    up by name (:func:`dtensor_caches`) and skipped where a release lacks it.
     """
-    tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is not None:  # DTensor loaded: it may have cached decisions
-        native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-        if callable(native):  # the C++ dispatch fast path's cache (torch 2.10 and later)
-            native()
-        dispatcher = getattr(tensor.DTensor, "_op_dispatcher", None)
-        propagator = getattr(dispatcher, "sharding_propagator", None)
-        for name in (
-            "propagate_op_sharding",
-            "_propagate_tensor_meta",
-            "_propagate_tensor_meta_cached",
-        ):
-            _clear(getattr(propagator, name, None))
-        redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-        _clear(getattr(redistribute, "_gen_transform_infos", None))
-        planners = getattr(redistribute, "_planner_cache", None)
-        if isinstance(planners, dict):
-            for key in list(planners):
+    for name, cache in dtensor_caches().items():
+        if cache is None:
+            continue
+        if name == "torch._C._clear_DTensor_sharding_propagator_cache":
+            cache()
+        elif name == "_redistribute._planner_cache" and isinstance(cache, dict):
+            for key in list(cache):
                 mesh = key[0]() if isinstance(key, tuple) and callable(key[0]) else None
                 if mesh is None or _closed(mesh):
-                    del planners[key]
-        topology = sys.modules.get("torch.distributed.tensor._collective_utils")
-        _clear(getattr(getattr(topology, "MeshTopoInfo", None), "build_from_mesh", None))
-    # torch 2.9: maps keyed by DeviceMesh on a module-level _MeshEnv (thread-local).
-    resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
-    for name in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
-        found = getattr(resources, name, None)
-        if isinstance(found, dict):
-            for mesh in [mesh for mesh in found if _closed(mesh)]:
-                del found[mesh]
+                    del cache[key]
+        elif name.startswith("_mesh_resources."):
+            for mesh in [mesh for mesh in cache if _closed(mesh)]:
+                del cache[mesh]
+        else:
+            _clear(cache)
 
 
 def _closed(mesh: object) -> bool:
