@@ -1,4 +1,4 @@
-"""The one place that touches torch.distributed internals.
+"""Process groups through torch's private construction path: named, counted, destroyed.
 
 Public ``new_group(..., use_local_synchronization=True)`` names a member-only
 group by hashing its ranks (and, in torch 2.13, the number of groups alive in
@@ -9,9 +9,9 @@ clash. Here each incarnation of a group gets its own name,
 
     scopedmesh-<sha1 of backend and ranks>-<generation>
 
-where the generation is counted per rank in torch's distributed store: members
-create the same groups in the same order, so their counts agree without any
-collective. Building a group under a chosen name needs torch's private
+where the generation is counted per rank in torch's distributed store
+(:func:`~scopedmesh.c10d.store.generation_key`): members create the same groups
+in the same order, so their counts agree without any collective. Building a group under a chosen name needs torch's private
 ``_new_process_group_helper``. If that is missing or changed, we fall back to
 public ``new_group`` with a warning that names the hazard.
 
