@@ -64,6 +64,7 @@ __all__ = [
     "WatchedStore",
     "announcement_key",
     "peer_lost",
+    "peer_seen",
     "process_gone",
     "process_key",
     "read",
