@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from scopedmesh.c10d.groups import live_groups
+from scopedmesh.c10d.groups import group_names, live_groups
 from scopedmesh.errors import shown
 from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 
@@ -39,6 +38,7 @@ __all__ = [
     "ScopedDeviceMesh",
     "build_device_mesh",
     "check_device_type",
+    "dtensor_caches",
     "forget_closed_meshes",
 ]
 
@@ -117,14 +117,11 @@ class ScopedDeviceMesh(DeviceMesh):
 
     def _flatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
         self._check_open()
-        with _adopting_new_groups(self._lifetime):
-            flat = super()._flatten(*args, **kwargs)
-        return _bind(flat, self._lifetime)
+        return _bind(_adopting(self._lifetime, super()._flatten, *args, **kwargs), self._lifetime)
 
     def _unflatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
         self._check_open()
-        with _adopting_new_groups(self._lifetime):
-            unflat = super()._unflatten(*args, **kwargs)
+        unflat = _adopting(self._lifetime, super()._unflatten, *args, **kwargs)
         return _bind(unflat, self._lifetime)
 
     @property
@@ -157,16 +154,29 @@ def _bind(mesh: DeviceMesh, lifetime: Lifetime) -> DeviceMesh:
     return mesh
 
 
-@contextmanager
-def _adopting_new_groups(lifetime: Lifetime) -> Iterator[None]:
-    """Hand every group torch makes inside the block to ``lifetime`` (even if the block fails)."""
+def _adopting(
+    lifetime: Lifetime, make: Callable[..., DeviceMesh], *args: Any, **kwargs: Any
+) -> DeviceMesh:
+    """``make(*args, **kwargs)``, torch's call that builds a DeviceMesh; the groups torch made
+    for that mesh are handed to ``lifetime``.
+
+    Adoption is tied to the call's result, not to the moment: of the groups
+    that appeared in torch's registry while it ran, only those the new mesh
+    names (``_dim_group_names``) are adopted. A group another thread formed
+    meanwhile (its own mesh's, or one a user made) is not named there and
+    stays its owner's. A call that raises adopts nothing: what it may have
+    made cannot be told from another thread's groups, and leaving a group
+    alive is safe where destroying another scope's is not.
+    """
     live = live_groups()
-    before = set(live)
-    try:
-        yield
-    finally:
-        for group in [group for group in live if group not in before]:
+    before = set(live)  # one C-level copy: atomic under the GIL while other threads add groups
+    mesh = make(*args, **kwargs)
+    used = set(_group_names(mesh))
+    names = group_names()
+    for group in [group for group in tuple(live) if group not in before]:
+        if names.get(group) in used:
             lifetime.adopt(group)
+    return mesh
 
 
 def check_device_type(device_type: object) -> str:
@@ -235,12 +245,50 @@ def build_device_mesh(
         if group is None:  # cannot happen: without indices, every rank is in its group
             raise RuntimeError(f"this rank has no group along axis {names[len(groups)]!r}")
         groups.append(group)
-    with _adopting_new_groups(lifetime):  # from_group makes none; if a release did, it is ours
-        mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
+    # from_group makes no group; should a release make one, it is the scope's.
+    mesh = _adopting(
+        lifetime, DeviceMesh.from_group, groups, device_type, ranks, mesh_dim_names=names
+    )
     bound = _bind(mesh, lifetime)
     if not isinstance(bound, ScopedDeviceMesh):  # a subclass of DeviceMesh: not ours to rebind
         raise TypeError(f"DeviceMesh.from_group returned a {type(mesh).__name__}")
     return bound
+
+
+def dtensor_caches() -> dict[str, Any]:
+    """Every cache of DTensor and DeviceMesh that :func:`forget_closed_meshes` clears, by name.
+
+    The value is the cache (a function with ``cache_clear``, or a dict), or
+    None where this release lacks it (and for DTensor's, while DTensor is not
+    loaded). ``tests/world/test_boundary.py`` pins which names each release has.
+    """
+    tensor = sys.modules.get("torch.distributed.tensor")
+    dispatcher = getattr(getattr(tensor, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    topology = sys.modules.get("torch.distributed.tensor._collective_utils")
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    caches: dict[str, Any] = {
+        # the C++ dispatch fast path's cache (torch 2.10 and later)
+        "torch._C._clear_DTensor_sharding_propagator_cache": native if tensor else None,
+        "_redistribute._gen_transform_infos": getattr(redistribute, "_gen_transform_infos", None),
+        "_redistribute._planner_cache": getattr(redistribute, "_planner_cache", None),
+        "_collective_utils.MeshTopoInfo.build_from_mesh": getattr(
+            getattr(topology, "MeshTopoInfo", None), "build_from_mesh", None
+        ),
+    }
+    for name in (
+        "propagate_op_sharding",
+        "_propagate_tensor_meta",
+        "_propagate_tensor_meta_cached",
+    ):
+        caches[f"ShardingPropagator.{name}"] = getattr(propagator, name, None)
+    # torch 2.9: maps keyed by DeviceMesh on a module-level _MeshEnv (thread-local).
+    resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+    for name in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+        found = getattr(resources, name, None)
+        caches[f"_mesh_resources.{name}"] = found if isinstance(found, dict) else None
+    return caches
 
 
 def forget_closed_meshes() -> None:
@@ -255,38 +303,23 @@ def forget_closed_meshes() -> None:
     ones): a mesh that stays open recomputes each of its ops' decisions once.
     The redistribute planners (keyed by weak references) and torch 2.9's
     mesh-keyed maps lose only the closed meshes' entries. Each cache is looked
-    up by name and skipped where a release lacks it.
+    up by name (:func:`dtensor_caches`) and skipped where a release lacks it.
     """
-    tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is not None:  # DTensor loaded: it may have cached decisions
-        native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-        if callable(native):  # the C++ dispatch fast path's cache (torch 2.10 and later)
-            native()
-        dispatcher = getattr(tensor.DTensor, "_op_dispatcher", None)
-        propagator = getattr(dispatcher, "sharding_propagator", None)
-        for name in (
-            "propagate_op_sharding",
-            "_propagate_tensor_meta",
-            "_propagate_tensor_meta_cached",
-        ):
-            _clear(getattr(propagator, name, None))
-        redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-        _clear(getattr(redistribute, "_gen_transform_infos", None))
-        planners = getattr(redistribute, "_planner_cache", None)
-        if isinstance(planners, dict):
-            for key in list(planners):
+    for name, cache in dtensor_caches().items():
+        if cache is None:
+            continue
+        if name == "torch._C._clear_DTensor_sharding_propagator_cache":
+            cache()
+        elif name == "_redistribute._planner_cache" and isinstance(cache, dict):
+            for key in list(cache):
                 mesh = key[0]() if isinstance(key, tuple) and callable(key[0]) else None
                 if mesh is None or _closed(mesh):
-                    del planners[key]
-        topology = sys.modules.get("torch.distributed.tensor._collective_utils")
-        _clear(getattr(getattr(topology, "MeshTopoInfo", None), "build_from_mesh", None))
-    # torch 2.9: maps keyed by DeviceMesh on a module-level _MeshEnv (thread-local).
-    resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
-    for name in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
-        found = getattr(resources, name, None)
-        if isinstance(found, dict):
-            for mesh in [mesh for mesh in found if _closed(mesh)]:
-                del found[mesh]
+                    del cache[key]
+        elif name.startswith("_mesh_resources."):
+            for mesh in [mesh for mesh in cache if _closed(mesh)]:
+                del cache[mesh]
+        else:
+            _clear(cache)
 
 
 def _closed(mesh: object) -> bool:

@@ -22,10 +22,12 @@ it waits for:
 * anything else (a slow peer, a peer in user code or a collective) waits on,
   and at the timeout the error says what each missing member is doing.
 
-Keys, relative to torch's default store: ``scopedmesh-forming/<rank>`` (slow
-path only, deleted when that formation ends) and ``scopedmesh-process/<rank>``
-(host and process of a rank, written at a group table's first formation; one
-per rank, overwritten, kept like the generation counters).
+Its keys (``scopedmesh-forming/<rank>``, slow path only, deleted when that
+formation ends; ``scopedmesh-process/<rank>``, written at a group table's
+first formation, one per rank, overwritten, kept like the generation
+counters; ``scopedmesh-deadlock/<digest>``, the agreement of a proven cycle)
+are laid out in :mod:`scopedmesh.c10d.store`, with every other key the
+library writes.
 
 >>> announcement_key(3), process_key(3)
 ('scopedmesh-forming/3', 'scopedmesh-process/3')
@@ -33,7 +35,6 @@ per rank, overwritten, kept like the generation counters).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -46,7 +47,14 @@ from typing import Any, Protocol, TypeGuard
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
-from scopedmesh.errors import GroupFormationError, clipped, shown
+from scopedmesh.c10d.store import (
+    announcement_key,
+    deadlock_key,
+    process_key,
+    read,
+    wait_timed_out,
+)
+from scopedmesh.errors import GroupFormationError, clipped
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -56,6 +64,7 @@ __all__ = [
     "WatchedStore",
     "announcement_key",
     "peer_lost",
+    "peer_seen",
     "process_gone",
     "process_key",
     "read",
@@ -67,25 +76,6 @@ DEFAULT_GRACE = timedelta(milliseconds=500)
 _POLL_CAP = 0.1  # seconds between two ``check`` requests on the slow path, at most
 _HOPS = 64  # announcements followed per diagnosis, at most
 _LISTED = 16  # missing members described in a timeout's message, at most
-# compare_set's expected value: an absent key reads back as this, and nothing is created.
-_ABSENT = "\x00scopedmesh-absent"
-
-
-def announcement_key(rank: int) -> str:
-    """The key where ``rank`` says what it waits in, while it waits past the grace period."""
-    return f"scopedmesh-forming/{rank}"
-
-
-def process_key(rank: int) -> str:
-    """The key where ``rank`` says which process it is (host, pid namespace, pid, start time)."""
-    return f"scopedmesh-process/{rank}"
-
-
-def read(store: Store, key: str) -> str | None:
-    """``key``'s value, or None if absent: one request that never blocks and creates nothing."""
-    value = store.compare_set(key, _ABSENT, _ABSENT)
-    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-    return None if text == _ABSENT else text
 
 
 # ------------------------------------------------------------------ processes
@@ -183,24 +173,43 @@ def peer_lost(
 ) -> str | None:
     """How ``rank`` was lost (``"has died (...)"``), or None: alive, or nobody can tell.
 
-    The one place the diagnosis asks. A rank that ``liveness`` (the caller's
-    liveness watch, when there is one) watches is lost when the watch says so:
-    one notion of alive, whichever host it is on. Otherwise a rank is dead when
-    its process, as it recorded it (``process``, from its announcement, or its
-    process record), no longer runs on this host; a rank on another host, or
-    one that never recorded itself, cannot be told.
+    The one place the diagnosis asks (:func:`peer_seen` says which of the two
+    a None is).
+    """
+    return peer_seen(store, rank, process, liveness)[1]
+
+
+def peer_seen(
+    store: Store,
+    rank: int,
+    process: dict[str, Any] | None = None,
+    liveness: Liveness | None = None,
+) -> tuple[bool | None, str | None]:
+    """Whether ``rank`` runs, as far as this rank can see, and how it was lost.
+
+    ``(True, None)``: alive; ``(False, "has died (...)")``: lost; ``(None, None)``:
+    nobody here can tell. A rank that ``liveness`` (the caller's liveness
+    watch, when there is one) watches is lost when the watch says so, else
+    alive: one notion of alive, whichever host it is on. Otherwise a rank is
+    seen through its process, as it recorded it (``process``, from its
+    announcement, or its process record) on this host; a rank on another
+    host, or one that never recorded itself, cannot be told.
     """
     if liveness is not None and rank in liveness.ranks:
-        return liveness.why_lost(rank)
+        why = liveness.why_lost(rank)
+        return (why is None), why
     if process is None:
         text = read(store, process_key(rank))
         try:
             process = json.loads(text) if text is not None else None
         except ValueError:
             process = None
-    if not isinstance(process, dict) or _process_alive(process) is not False:
-        return None
-    return f"has died ({_where(process)} is gone)"
+    if not isinstance(process, dict):
+        return None, None
+    alive = _process_alive(process)
+    if alive is False:
+        return False, f"has died ({_where(process)} is gone)"
+    return alive, None
 
 
 def _where(process: dict[str, Any]) -> str:
@@ -291,28 +300,19 @@ def call_site() -> str:
 # ------------------------------------------------------------------ the watch
 
 
-def _timed_out(error: RuntimeError) -> bool:
-    return "timeout" in str(error).lower() or "timed out" in str(error).lower()
-
-
 class Watch:
     """One member's watch over one formation: sliced waits, announcement, diagnosis.
 
     ``ranks`` are the members in group-rank order (gloo's key ``.../<k>`` is
-    ``ranks[k]``'s address). Everything lives on this object and in the store.
+    ``ranks[k]``'s address); ``request`` is this member's formation, as its
+    announcement will show it. Everything lives on this object and in the store.
     """
 
     def __init__(
         self,
         store: Store,
-        *,
-        rank: int,
+        request: Request,
         ranks: Sequence[int],
-        name: str,
-        generation: int,
-        backend: str,
-        what: str,
-        description: str,
         grace: timedelta,
         timeout: timedelta,
         liveness: Liveness | None = None,
@@ -328,15 +328,7 @@ class Watch:
         self.announced: int | None = None  # the rank announced as waited for, once announced
         self.done = False
         self.cycle: tuple[str, int] | None = None  # a proven deadlock: (agreement key, ranks)
-        self.request = Request(
-            rank=rank,
-            name=name,
-            generation=generation,
-            ranks=shown(list(ranks)),
-            backend=backend,
-            what=what,
-            description=description,
-        )
+        self.request = request  # what this rank waits in (``rank``, ``name``, ``ranks``, ...)
 
     # -- the wait ------------------------------------------------------------
 
@@ -348,12 +340,13 @@ class Watch:
             else:
                 self.store.wait(keys, timeout)
             return
-        left = self.deadline - time.monotonic()
+        start = time.monotonic()
+        limit = max(min(self.grace, self.deadline - start), 0.001)
         try:
-            self.store.wait(keys, timedelta(seconds=max(min(self.grace, left), 0.001)))
+            self.store.wait(keys, timedelta(seconds=limit))
             return
-        except RuntimeError as error:
-            if not _timed_out(error):
+        except RuntimeError as error:  # by type: see wait_timed_out
+            if not wait_timed_out(error, time.monotonic() - start, limit):
                 raise
         self._slow(keys, self._waited(keys))
 
@@ -415,8 +408,14 @@ class Watch:
         self.announced = waited
 
     def finish(self) -> None:
-        """The formation ended: later waits pass through; the announcement goes."""
+        """The formation ended: later waits pass through; the announcement goes.
+
+        The liveness watch is let go: the group keeps its store, and so this
+        watch, for its whole life, and the liveness watch holds the meshes that
+        hold the group (a cycle the collector would have to find).
+        """
         self.done = True
+        self.liveness = None
         if self.announced is not None:
             self.announced = None
             try:
@@ -470,9 +469,8 @@ class Watch:
         for request in chain:
             if not request.waits_on or self.store.check([request.waits_on]):
                 return None  # the one it waited for has arrived: not (yet) proven
-        names = sorted(request.name for request in chain[loop:])
-        digest = hashlib.sha1("|".join(names).encode(), usedforsecurity=False).hexdigest()[:20]
-        self.cycle = (f"scopedmesh-deadlock/{digest}", len(names)) if loop == 0 else None
+        names = [request.name for request in chain[loop:]]
+        self.cycle = (deadlock_key(names), len(names)) if loop == 0 else None
         return GroupFormationError(_deadlock_text(chain, loop, time.monotonic() - self.started))
 
     def _lost_error(self, rank: int, lost: str, request: Request | None) -> GroupFormationError:
@@ -488,41 +486,87 @@ class Watch:
         )
 
     def _timeout_error(self) -> GroupFormationError:
-        """After the timeout: what each member that has not arrived is doing."""
+        """After the timeout: what each member that has not arrived is doing.
+
+        What is known leads; the likely causes are listed only for members
+        whose state this rank cannot see (see :func:`_timeout_text`).
+        """
         own = self.request
-        lines: list[str] = []
+        seen: list[tuple[int, str, bool]] = []
         stem = self.request.waits_on.rsplit("/", 1)[0]
+        more = False
         for position, rank in enumerate(self.ranks):
             if rank == own.rank or (stem and self.store.check([f"{stem}/{position}"])):
                 continue
-            if len(lines) == _LISTED:
-                lines.append("  ... (more members did not arrive)")
+            if len(seen) == _LISTED:
+                more = True
                 break
-            lines.append(f"  rank {rank} {self._doing(rank)}")
-        missing = "\n".join(lines) if lines else "  every member arrived, but not in time"
-        return GroupFormationError(
-            f"could not form the {own.backend} process group along {own.what} over ranks "
-            f"{own.ranks} within {self.timeout}. Likely cause: a member never requested this "
-            "group, a member died, or members requested overlapping groups in different orders "
-            "(every member must request the same groups in the same order). What the members "
-            f"that did not arrive are doing:\n{missing}"
-        )
+            seen.append((rank, *self._doing(rank)))
+        group = f"the {own.backend} process group along {own.what} over ranks {own.ranks}"
+        return GroupFormationError(_timeout_text(group, self.timeout, seen, more))
 
-    def _doing(self, rank: int) -> str:
+    def _doing(self, rank: int) -> tuple[str, bool]:
+        """What ``rank`` is doing, as a predicate, and whether that is known (else a guess)."""
         request = Request.from_text(read(self.store, announcement_key(rank)))
         process = request.process if request is not None and request.process else None
-        lost = peer_lost(self.store, rank, process, self.liveness)
+        alive, lost = peer_seen(self.store, rank, process, self.liveness)
         if lost is not None:
-            return lost
+            return lost, True
         if request is not None and request.waits_for is not None:
             return (
                 f"waits for rank {request.waits_for} in another group: {request.group()}"
-                f"{request.asked_at()}"
+                f"{request.asked_at()}",
+                True,
             )
+        if alive:
+            return f"is alive and {_OUTSIDE}", True
         return (
-            "is outside any group request: running user code or a collective (a barrier, say), "
-            "or it closed its mesh without requesting this group"
+            "requested no group that this rank can see, and whether it still runs cannot be "
+            "seen from here (another host or pid namespace, and no liveness watch guards the mesh)",
+            False,
         )
+
+
+_OUTSIDE = (
+    "outside any group request: running user code or a collective (a barrier, say), "
+    "or it closed its mesh without requesting this group"
+)
+_CAUSES = (
+    "it never requested this group, it died, or members requested overlapping groups in "
+    "different orders (every member must request the same groups in the same order)"
+)
+
+
+def _timeout_text(
+    group: str, timeout: timedelta, seen: list[tuple[int, str, bool]], more: bool
+) -> str:
+    """The timeout's message: each missing member's state, then causes only for the unknown.
+
+    >>> print(_timeout_text("the group", timedelta(seconds=3), [(1, "is alive", True)], False))
+    could not form the group within 0:00:03. The members that did not arrive:
+      rank 1 is alive
+    >>> print(_timeout_text("the group", timedelta(seconds=3), [(2, "is far", False)], True))
+    could not form the group within 0:00:03. The members that did not arrive:
+      rank 2 is far
+      ... (more members did not arrive)
+    Likely cause for rank 2 and the members not listed: it never requested this group, it died, or members requested overlapping groups in different orders (every member must request the same groups in the same order).
+    """
+    lines = [f"  rank {rank} {doing}" for rank, doing, _ in seen]
+    if more:
+        lines.append("  ... (more members did not arrive)")
+    if not lines:
+        lines.append("  none: every member arrived, but not in time")
+    unknown = [f"rank {rank}" for rank, _, known in seen if not known]
+    if more:
+        unknown.append("the members not listed")
+    text = (
+        f"could not form {group} within {timeout}. The members that did not arrive:\n"
+        + "\n".join(lines)
+    )
+    if unknown:
+        listed = unknown[0] if len(unknown) == 1 else f"{', '.join(unknown[:-1])} and {unknown[-1]}"
+        text += f"\nLikely cause for {listed}: {_CAUSES}."
+    return text
 
 
 def _deadlock_text(chain: list[Request], loop: int, seconds: float) -> str:

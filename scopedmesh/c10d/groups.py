@@ -1,4 +1,4 @@
-"""The one place that touches torch.distributed internals.
+"""Process groups through torch's private construction path: named, counted, destroyed.
 
 Public ``new_group(..., use_local_synchronization=True)`` names a member-only
 group by hashing its ranks (and, in torch 2.13, the number of groups alive in
@@ -9,9 +9,9 @@ clash. Here each incarnation of a group gets its own name,
 
     scopedmesh-<sha1 of backend and ranks>-<generation>
 
-where the generation is counted per rank in torch's distributed store: members
-create the same groups in the same order, so their counts agree without any
-collective. Building a group under a chosen name needs torch's private
+where the generation is counted per rank in torch's distributed store
+(:func:`~scopedmesh.c10d.store.generation_key`): members create the same groups
+in the same order, so their counts agree without any collective. Building a group under a chosen name needs torch's private
 ``_new_process_group_helper``. If that is missing or changed, we fall back to
 public ``new_group`` with a warning that names the hazard.
 
@@ -22,9 +22,7 @@ public ``new_group`` with a warning that names the hazard.
 from __future__ import annotations
 
 import inspect
-import os
 import sys
-import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -34,17 +32,28 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh.c10d.diagnosis import DEFAULT_GRACE, Liveness, Watch, WatchedStore
+from scopedmesh.c10d.diagnosis import DEFAULT_GRACE, Liveness, Request, Watch, WatchedStore
 from scopedmesh.c10d.diagnosis import record_process as _record_process
 from scopedmesh.c10d.names import RankMap, canonical_ranks, group_name
+from scopedmesh.c10d.store import (
+    StoreUse,
+    default_store,
+    formation_keys,
+    generation_key,
+    gloo_connects_eagerly,
+    incarnation_keys,
+    own_keys,
+)
 from scopedmesh.errors import shown
 
 __all__ = [
     "RankMap",
+    "StoreUse",
     "canonical_ranks",
     "default_store",
     "destroy",
     "group_name",
+    "group_names",
     "incarnation_keys",
     "is_live",
     "keeps_member_order",
@@ -143,8 +152,7 @@ def _is_fake(backend: str) -> bool:
 def _next_generation(ranks: Sequence[int], backend: str) -> tuple[int, str]:
     """This rank's count of incarnations of the group, kept in the distributed store, and the
     incarnation's name (one hash of the ranks per formation)."""
-    key = group_name(ranks, backend, 0)
-    stem = key[:-1]  # "scopedmesh-<digest>-"
+    stem = group_name(ranks, backend, 0)[:-1]  # "scopedmesh-<digest>-"
     if _is_fake(backend):
         # The fake backend's FakeStore cannot count (its add raises up to torch 2.13 and
         # returns 1 from 2.14 on); nothing rendezvous there, so the first name free in
@@ -154,8 +162,7 @@ def _next_generation(ranks: Sequence[int], backend: str) -> tuple[int, str]:
         while f"{stem}{generation}" in taken:
             generation += 1
         return generation, f"{stem}{generation}"
-    store = c10d._get_default_store()
-    generation = int(store.add(f"{key}/generation/{dist.get_rank()}", 1))
+    generation = int(default_store().add(generation_key(ranks, backend, dist.get_rank()), 1))
     return generation, f"{stem}{generation}"
 
 
@@ -169,11 +176,10 @@ def _catch_up(ranks: Sequence[int], backend: str, generation: int) -> None:
     """
     if _is_fake(backend):  # no counters to align
         return
-    key = group_name(ranks, backend, 0)
     try:
-        store = c10d._get_default_store()
+        store = default_store()
         for member in ranks:
-            counter = f"{key}/generation/{member}"
+            counter = generation_key(ranks, backend, member)
             store.add(counter, 0)  # make the counter exist, so compare_set can see it
             store.compare_set(counter, str(generation - 1), str(generation))
     except RuntimeError:  # a store that cannot count (fake) or is gone: nothing to align
@@ -190,13 +196,15 @@ def new_member_group(
     what: str = "",
     grace: timedelta | None = None,
     liveness: Liveness | None = None,
+    store_use: StoreUse | None = None,
 ) -> dist.ProcessGroup | None:
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
 
     Group rank ``k`` is ``ranks[k]`` where :func:`keeps_member_order` (else the
-    members ascend, as public ``new_group`` has them). The caller must be a member; non-members get ``None`` whatever torch's version
-    returns for them (``None`` up to 2.13, ``GroupMember.NON_GROUP_MEMBER`` from 2.14).
-    A backend that cannot run on this host (NCCL without a CUDA device) is a
+    members ascend, as public ``new_group`` has them). The caller must be a
+    member; non-members get ``None`` whatever torch's version returns for them
+    (``None`` up to 2.13, ``GroupMember.NON_GROUP_MEMBER`` from 2.14). A backend
+    that cannot run on this host (NCCL without a CUDA device) is a
     ``ValueError`` before any group is made.
 
     A gloo group's rendezvous is watched (:mod:`scopedmesh.c10d.diagnosis`):
@@ -205,6 +213,9 @@ def new_member_group(
     never end (a deadlock cycle, a dead peer); ``what`` names the group there
     (``"axis 'tp'"``). ``liveness`` (a liveness watch, or None) says which peers
     are lost; without one, only a peer's process on this host can be seen dying.
+    ``store_use`` decides whether the group forms over torch's store client or
+    a clone of it (:class:`~scopedmesh.c10d.store.StoreUse`; None: a new one,
+    in which every other thread of the process counts).
     """
     ranks = ranks if isinstance(ranks, range) else tuple(ranks)
     rank = dist.get_rank()
@@ -213,59 +224,129 @@ def new_member_group(
     problem = unusable_backend(str(backend))
     if problem is not None:  # torch's own failure would read like a formation failure
         raise ValueError(f"backend {shown(backend)} cannot form a group on this host: {problem}")
-    default_pg = c10d._get_default_group()
     if not keeps_member_order():
         warnings.warn(FALLBACK_WARNING, RuntimeWarning, stacklevel=3)
-        group = dist.new_group(
-            list(ranks),
-            timeout=timeout,
-            backend=backend,
-            pg_options=pg_options,
-            use_local_synchronization=True,
-            group_desc=description,
-        )
-        return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
-    backend_enum = dist.Backend(backend)
-    make_name: Any = getattr(c10d, "GroupName", str)
+        return _public_group(ranks, backend, timeout, pg_options, description)
+    return _named_group(
+        ranks,
+        dist.Backend(backend),
+        timeout,
+        pg_options,
+        description,
+        what=what or "the requested axes",
+        grace=DEFAULT_GRACE if grace is None else grace,
+        liveness=liveness,
+        store_use=store_use or StoreUse(),
+    )
+
+
+def _named_group(
+    ranks: Sequence[int],
+    backend_enum: dist.Backend,
+    timeout: timedelta | None,
+    pg_options: object | None,
+    description: str,
+    *,
+    what: str,
+    grace: timedelta,
+    liveness: Liveness | None,
+    store_use: StoreUse,
+) -> dist.ProcessGroup:
+    """:func:`new_member_group` on the private path: a named incarnation, watched, then the
+    formation barrier (see :func:`_all_formed`)."""
+    rank = dist.get_rank()
+    fake = _is_fake(str(backend_enum))
     generation, name = _next_generation(ranks, str(backend_enum))
-    store = _formation_store(backend_enum)
+    store = default_store()
+    if not fake:  # torch 2.9 has no Backend.FAKE; its fake store cannot clone
+        store = store_use.formation_store(store)
+    group_timeout = timeout if timeout is not None else c10d._get_default_timeout(backend_enum)
+    watch = None
+    if backend_enum == dist.Backend.GLOO and gloo_connects_eagerly():  # rendezvous here: watch it
+        request = Request(
+            rank=rank,
+            name=name,
+            generation=generation,
+            ranks=shown(list(ranks)),
+            backend=str(backend_enum),
+            what=what,
+            description=description,
+        )
+        watch = Watch(store, request, ranks, grace, group_timeout, liveness)
+    try:
+        group = _construct(
+            ranks, backend_enum, store, watch, name, group_timeout, description, pg_options
+        )
+    except Exception:
+        _catch_up(ranks, str(backend_enum), generation)
+        raise
+    if not fake:  # fake members never rendezvous: nobody to wait for
+        try:
+            _all_formed(
+                store, name, len(ranks), ranks.index(rank), group_timeout, str(backend_enum)
+            )
+        except Exception:
+            destroy(group)
+            raise
+    return group
+
+
+def _public_group(
+    ranks: Sequence[int],
+    backend: str,
+    timeout: timedelta | None,
+    pg_options: object | None,
+    description: str,
+) -> dist.ProcessGroup | None:
+    """The fallback: public ``new_group`` over ``ranks`` (this rank a member), members ascending."""
+    group = dist.new_group(
+        list(ranks),
+        timeout=timeout,
+        backend=backend,
+        pg_options=pg_options,
+        use_local_synchronization=True,
+        group_desc=description,
+    )
+    return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+
+def _construct(
+    ranks: Sequence[int],
+    backend: dist.Backend,
+    store: c10d.Store,
+    watch: Watch | None,
+    name: str,
+    timeout: timedelta,
+    description: str,
+    pg_options: object | None,
+) -> dist.ProcessGroup:
+    """Build incarnation ``name`` through torch's private helper and record it as torch would.
+
+    A gloo group is made closable (:mod:`scopedmesh.c10d.closable`) and forms
+    over ``watch``'s store; the watch is finished however construction ends,
+    and a failed construction's address is deleted (nobody reads it).
+    """
+    made_as: str = backend
+    if backend == dist.Backend.GLOO:  # closable; others are torch's own
+        from scopedmesh.c10d import (
+            closable,
+        )  # here, on the first gloo group: not in the mesh's import
+
+        made_as = closable.register() or backend
     parameters = _helper_parameters()
     # Pass only what this torch's helper takes (see _HELPER_OPTIONS).
     options_name = "backend_options" if "backend_options" in parameters else "pg_options"
-    made_as: str = backend_enum
-    if backend_enum == dist.Backend.GLOO:  # closable (see _closable); others are torch's own
-        from scopedmesh.c10d import (
-            closable as _closable,  # here, on the first gloo group: not in the mesh's import
-        )
-
-        made_as = _closable.register() or backend_enum
-    group_timeout = timeout if timeout is not None else c10d._get_default_timeout(backend_enum)
-    watch = None
-    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
-    if backend_enum == dist.Backend.GLOO and not lazy:  # the rendezvous happens here: watch it
-        watch = Watch(
-            store,
-            rank=rank,
-            ranks=ranks,
-            name=name,
-            generation=generation,
-            backend=str(backend_enum),
-            what=what or "the requested axes",
-            description=description,
-            grace=grace if grace is not None else DEFAULT_GRACE,
-            timeout=group_timeout,
-            liveness=liveness,
-        )
+    make_name: Any = getattr(c10d, "GroupName", str)
     try:
         group, prefix_store = c10d._new_process_group_helper(
             len(ranks),
-            ranks.index(rank),
+            ranks.index(dist.get_rank()),
             ranks,
             made_as,
             WatchedStore(store, watch) if watch is not None else store,
             make_name(name),
-            timeout=group_timeout,
-            device_id=default_pg.bound_device_id,
+            timeout=timeout,
+            device_id=c10d._get_default_group().bound_device_id,
             group_desc=description,
             **{options_name: pg_options},
         )
@@ -273,74 +354,19 @@ def new_member_group(
         if watch is not None:
             watch.finish()
             watch.forget_written()  # this incarnation is abandoned: nobody reads its address
-        _catch_up(ranks, str(backend_enum), generation)
         raise
     if watch is not None:
         watch.finish()
-    if made_as != backend_enum:  # torch recorded the registry's name: record what it runs on
-        c10d._world.pg_map[group] = (backend_enum, prefix_store)
-        c10d._world.pg_backend_config[group] = f"cpu:{backend_enum}"
+    if made_as != backend:  # torch recorded the registry's name: record what it runs on
+        c10d._world.pg_map[group] = (backend, prefix_store)
+        c10d._world.pg_backend_config[group] = f"cpu:{backend}"
     rank_map = (
         RankMap(ranks)
         if isinstance(ranks, range) and ranks.step > 0
         else {r: i for i, r in enumerate(ranks)}
     )
     c10d._world.pg_group_ranks[group] = rank_map  # type: ignore[assignment]  # read as a Mapping
-    if not _is_fake(str(backend_enum)):  # fake members never rendezvous: nobody to wait for
-        try:
-            _all_formed(
-                store,
-                name,
-                len(ranks),
-                ranks.index(rank),
-                timeout or c10d._get_default_timeout(backend_enum),
-                str(backend_enum),
-            )
-        except Exception:
-            destroy(group)
-            raise
     return group  # type: ignore[no-any-return]
-
-
-def _formation_store(backend: str) -> c10d.Store:
-    """The store a group forms over: torch's default one, or a client of its own under threads.
-
-    torch's TCPStore client runs one request at a time, and a blocking ``wait``
-    (gloo's rendezvous, the formation barrier) holds it: two threads forming
-    groups at once would queue behind each other's waits, and across ranks that
-    can deadlock until the timeout. With other Python threads alive (a liveness
-    watch's does not count: see :func:`_store_threads`), a group forms over a
-    clone of the client (one more connection, kept by the group's backend while
-    the group lives). A single-threaded process pays nothing.
-    """
-    store = c10d._get_default_store()
-    if _store_threads() == 1 or _is_fake(str(backend)):  # torch 2.9 has no Backend.FAKE
-        return store
-    clone: Any = getattr(store, "clone", None)
-    try:
-        cloned: c10d.Store = clone()
-    except (RuntimeError, TypeError):  # a store that cannot clone: share it
-        return store
-    return cloned
-
-
-STORE_FREE_THREADS = "scopedmesh-liveness-"  # a liveness watch's thread: its own store clients
-
-
-def _store_threads() -> int:
-    """The Python threads that may use torch's default store client (this one included).
-
-    A liveness watch's thread (named ``scopedmesh-liveness-<rank>``) talks to the
-    store over clients of its own, never the default one, so it does not count:
-    a formation under a watch uses the default client, as a single-threaded
-    process does. A clone there would open a new store connection in the
-    middle of a heal, and torch's store server looks every new connection's
-    peer up in DNS on its one thread: where a lookup is lost, every request to
-    the store waits 5 s (the resolver's timeout).
-    """
-    return sum(
-        1 for thread in threading.enumerate() if not thread.name.startswith(STORE_FREE_THREADS)
-    )
 
 
 def _all_formed(
@@ -368,9 +394,9 @@ def _all_formed(
     ``n - 1``, the release key's delete 1): every member makes 4 here, one of
     them 5, and none deletes another's keys in turn.
     """
-    own = _own_keys(name, group_rank, backend)
+    own = own_keys(name, group_rank, backend)
     if size > 1:
-        formed, released = f"{name}/formed", f"{name}/all-formed"
+        formed, released = formation_keys(name)
         if store.add(formed, 1) == size:  # the last to arrive: nobody waits for it
             store.set(released, "0")
             store.delete_key(formed)
@@ -382,34 +408,6 @@ def _all_formed(
         store.delete_key(key)
 
 
-def _own_keys(name: str, group_rank: int, backend: str) -> list[str]:
-    """The gloo address this member wrote for incarnation ``name``, if gloo connected eagerly."""
-    # Under TORCH_GLOO_LAZY_INIT=1 gloo connects on the first collective, after
-    # formation: its keys are still needed then, so they stay.
-    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
-    if backend == dist.Backend.GLOO and not lazy:
-        return [f"{name}//cpu//0/{group_rank}"]
-    return []
-
-
-def incarnation_keys(name: str, size: int, backend: str) -> list[str]:
-    """The store keys (relative to torch's default store) that incarnation ``name`` writes.
-
-    gloo: each member's address under ``<name>//cpu//0/<group rank>`` (torch 2.13,
-    one device; none under ``TORCH_GLOO_LAZY_INIT=1``); the formation barrier:
-    ``<name>/formed`` and ``<name>/all-formed``.
-    ``tests/world/test_heal.py`` pins the layout: after formation no key of the
-    incarnation is left.
-
-    >>> incarnation_keys("g-1", 2, "gloo")
-    ['g-1//cpu//0/0', 'g-1//cpu//0/1', 'g-1/formed', 'g-1/all-formed']
-    """
-    keys = [key for r in range(size) for key in _own_keys(name, r, backend)]
-    if size > 1:
-        keys += [f"{name}/formed", f"{name}/all-formed"]
-    return keys
-
-
 def live_groups() -> Mapping[dist.ProcessGroup, object]:
     """torch's registry of live groups: the same dict object for the life of the process.
 
@@ -417,6 +415,12 @@ def live_groups() -> Mapping[dist.ProcessGroup, object]:
     may keep the mapping (read-only) to test many times.
     """
     return c10d._world.pg_map
+
+
+def group_names() -> Mapping[dist.ProcessGroup, str]:
+    """torch's name of each live group (``_world.pg_names``): the same dict for the process."""
+    names: Mapping[dist.ProcessGroup, str] = c10d._world.pg_names
+    return names
 
 
 def is_live(group: dist.ProcessGroup) -> bool:
@@ -458,9 +462,4 @@ def live_group_count() -> int:
 
 def record_process() -> None:
     """Write who this rank is (host, process) to the store, for peers' diagnoses."""
-    _record_process(c10d._get_default_store(), dist.get_rank())
-
-
-def default_store() -> c10d.Store:
-    """torch's distributed store: the one the default process group rendezvoused on."""
-    return c10d._get_default_store()
+    _record_process(default_store(), dist.get_rank())

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.diagnosis import Liveness
+from scopedmesh.c10d.store import StoreUse
 from scopedmesh.errors import GroupFormationError
 
 __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
@@ -63,7 +64,16 @@ class GroupTable:
     <scopedmesh.mesh.watch.LivenessWatch.guard>` sets it).
     """
 
-    __slots__ = ("_entries", "_recorded", "grace", "live", "liveness", "lock", "ordered")
+    __slots__ = (
+        "_entries",
+        "_recorded",
+        "grace",
+        "live",
+        "liveness",
+        "lock",
+        "ordered",
+        "store_use",
+    )
 
     def __init__(self, grace: timedelta | None = None) -> None:
         self._entries: dict[GroupKey, Entry] = {}
@@ -73,6 +83,7 @@ class GroupTable:
         self.lock = threading.RLock()
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
+        self.store_use = StoreUse()  # whether a formation clones torch's store client
 
     def __len__(self) -> int:
         """The number of groups registered (formed and not yet released)."""
@@ -116,6 +127,7 @@ class GroupTable:
                 what=what,
                 grace=self.grace,
                 liveness=self.liveness,
+                store_use=self.store_use,
             )
         except GroupFormationError:  # diagnosed: the message already says it all
             raise

@@ -314,6 +314,7 @@ class LivenessWatch:
         self._check_open()
         self._meshes = (*[m for m in self._meshes if not m.closed], mesh)
         mesh._table.liveness = self
+        mesh._table.store_use.declare_own_clients(self._thread)  # never uses torch's client
         self._track()
         dead = self._lost.intersection(mesh.layout.ranks)
         if dead:

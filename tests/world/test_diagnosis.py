@@ -34,15 +34,24 @@ RULE = (
     "(overlapping groups requested in different orders deadlock), but "
 )
 FIX = ". Request the groups in one order on every rank (e.g. mesh order, or eager=True)."
-LIKELY = (
-    "Likely cause: a member never requested this group, a member died, or members requested "
-    "overlapping groups in different orders (every member must request the same groups in "
-    "the same order). What the members that did not arrive are doing:\n"
-)
+MISSING = "The members that did not arrive:\n"
 OUTSIDE = (
-    "is outside any group request: running user code or a collective (a barrier, say), "
-    "or it closed its mesh without requesting this group"
+    "is alive and outside any group request: running user code or a collective (a barrier, "
+    "say), or it closed its mesh without requesting this group"
 )
+UNSEEN = (
+    "requested no group that this rank can see, and whether it still runs cannot be seen "
+    "from here (another host or pid namespace, and no liveness watch guards the mesh)"
+)
+
+
+def likely(rank: int) -> str:
+    """The causes a message lists for a member whose state this rank cannot see."""
+    return (
+        f"\nLikely cause for rank {rank}: it never requested this group, it died, or members "
+        "requested overlapping groups in different orders (every member must request the same "
+        "groups in the same order)."
+    )
 
 
 def group(what: str, ranks: list[int], desc: str) -> str:
@@ -127,30 +136,45 @@ def test_four_ranks_asking_dp_and_tp_in_opposite_orders_get_the_deadlock_at_once
 
 
 def test_two_ranks_group_and_barrier_swapped_name_the_peer_at_timeout() -> None:
-    """Rank 1 sits in a barrier, which no store shows: rank 0 is told at its 3 s timeout."""
+    """Rank 1 sits in a barrier, which no store shows: rank 0 is told at its 3 s timeout,
+    and, since it can see that rank 1 runs, the message says that and nothing else."""
     results = run_world(workers.swapped_with_barrier, 2, timeout=120)
     first = results[0]["first"]
     assert first["message"] == (
         "could not form the gloo process group along axis 'tp' over ranks [0, 1] within "
-        f"0:00:03. {LIKELY}  rank 1 {OUTSIDE}"
+        f"0:00:03. {MISSING}  rank 1 {OUTSIDE}"
     )
     assert 3.0 <= first["seconds"] < HANG_GUARD
     assert results[0]["again"]["sum"] == results[1]["again"]["sum"] == 2  # both ask: it forms
     _check_clean(results, 2)
 
 
+def test_a_peer_this_rank_cannot_see_gets_the_likely_causes() -> None:
+    """Rank 1 says it runs on another host and no watch guards the mesh: its state is
+    unknown, so the message keeps the list of likely causes, for rank 1 alone."""
+    results = run_world(workers.swapped_with_barrier, 2, args=(True,), timeout=120)
+    assert results[0]["first"]["message"] == (
+        "could not form the gloo process group along axis 'tp' over ranks [0, 1] within "
+        f"0:00:03. {MISSING}  rank 1 {UNSEEN}{likely(1)}"
+    )
+    assert results[0]["again"]["sum"] == results[1]["again"]["sum"] == 2
+    _check_clean(results, 2)
+
+
 def test_three_ranks_a_peer_in_another_group_and_a_peer_that_closed_its_mesh() -> None:
+    """Rank 2 never formed a group, so no rank can see its process: the causes are listed
+    for rank 2 only; rank 1's state (its announcement) is known and leads."""
     results = run_world(workers.missing_peers, 3, timeout=120)
     other = group("axis 'x' at indices [1, 2]", [1, 2], "scopedmesh:x[1,2]")
     assert results[0]["first"]["message"] == (
         "could not form the gloo process group along axis 'x' over ranks [0, 1, 2] within "
-        f"0:00:03. {LIKELY}"
+        f"0:00:03. {MISSING}"
         f"  rank 1 waits for rank 2 in another group: {other}, {SITE}\n"
-        f"  rank 2 {OUTSIDE}"
+        f"  rank 2 {UNSEEN}{likely(2)}"
     )
     assert results[1]["first"]["message"] == (
         "could not form the gloo process group along axis 'x' at indices [1, 2] over ranks "
-        f"[1, 2] within 0:00:08. {LIKELY}  rank 2 {OUTSIDE}"
+        f"[1, 2] within 0:00:08. {MISSING}  rank 2 {UNSEEN}{likely(2)}"
     )
     assert results[2]["closed"] is True and "first" not in results[2]
     _check_clean(results, 3)

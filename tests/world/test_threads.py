@@ -107,6 +107,53 @@ def threads_world(rank: int, world: int, schedules: int, seed: int) -> dict[str,
     return report
 
 
+def flatten_while_another_thread_forms(rank: int, world: int) -> dict[str, Any]:
+    """``_flatten`` on one mesh while another thread forms a group of another mesh.
+
+    torch's ``new_group``, as ``_flatten`` calls it, is wrapped so that on its first
+    call another thread forms the ``all`` group of a second mesh, and ``_flatten``
+    goes on only once that group exists: the second mesh's group appears in torch's
+    registry during ``_flatten``. It must stay the second mesh's: alive and usable
+    after the first mesh has closed, destroyed only when its own mesh closes.
+    """
+    from torch.distributed import device_mesh as torch_device_mesh
+
+    baseline = _c10d.live_group_count()
+    other = ProcessGroupMesh(world, names=("all",), timeout=30)
+    formed: dict[str, Any] = {}
+
+    def form_other() -> None:
+        formed["group"] = other.get_group_along_axis("all")
+
+    real = torch_device_mesh.new_group
+
+    def new_group_with_a_formation_between(*args: Any, **kwargs: Any) -> Any:
+        if "group" not in formed:
+            thread = threading.Thread(target=form_other)
+            thread.start()
+            thread.join(60)
+        return real(*args, **kwargs)
+
+    torch_device_mesh.new_group = new_group_with_a_formation_between  # type: ignore[attr-defined]
+    out: dict[str, Any] = {}
+    try:
+        with ProcessGroupMesh(2, world // 2, 1, names=("dp", "cp", "tp"), timeout=30) as mesh:
+            dm = mesh.to_device_mesh("cpu")
+            flat = dm["cp", "tp"]._flatten("cp_tp")
+            out["flat_ranks"] = dist.get_process_group_ranks(flat.get_group())
+            out["flat_sum"] = summed(flat.get_group())
+            out["live_in_block"] = _c10d.live_group_count() - baseline
+    finally:
+        torch_device_mesh.new_group = real  # type: ignore[attr-defined]
+    group = formed["group"]
+    out["other_live_after_close"] = _c10d.is_live(group)
+    out["other_sum"] = summed(group) if out["other_live_after_close"] else None
+    other.close()
+    out["other_live_after_its_close"] = _c10d.is_live(group)
+    out["leaked"] = _c10d.live_group_count() - baseline
+    return out
+
+
 # ------------------------------------------------------------ the tests
 
 WORLD = 4
@@ -135,6 +182,19 @@ def test_threads_share_one_mesh_and_meshes_per_thread_are_independent(
     short: list[dict[str, Any]],
 ) -> None:
     _check(short, 10)
+
+
+def test_a_group_formed_by_another_thread_during_flatten_stays_its_owners() -> None:
+    results = run_world(flatten_while_another_thread_forms, WORLD, timeout=300, init_timeout=60)
+    for rank, out in enumerate(results):
+        assert out["flat_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert out["flat_sum"] == 2
+        # the mesh's dp, cp and tp groups, torch's flattened group and the other mesh's group
+        assert out["live_in_block"] == 5
+        assert out["other_live_after_close"], "the first mesh's close destroyed another's group"
+        assert out["other_sum"] == WORLD
+        assert not out["other_live_after_its_close"]
+        assert out["leaked"] == 0  # torch's flattened group went with its scope
 
 
 @pytest.mark.slow

@@ -253,32 +253,6 @@ def test_bad_arguments_name_the_argument_and_leave_the_store_usable(
     assert heal.watch_keys(store, [0]) == []
 
 
-def test_a_formation_under_a_watch_opens_no_store_connection(one_rank: Any) -> None:
-    """The watch's thread never uses the default store client, so a group formed while it
-    runs shares that client, as in a single-threaded process: no new connection (torch's
-    store server resolves each new peer in DNS on its one thread, 5 s when a lookup is lost).
-    Another thread still gets its formation a client of its own."""
-    import threading
-
-    from scopedmesh import LivenessWatch
-    from scopedmesh.c10d import groups as _c10d
-
-    default = _c10d.default_store()
-    with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
-        assert watch._thread.name.startswith(_c10d.STORE_FREE_THREADS)
-        assert _c10d._store_threads() == 1
-        assert _c10d._formation_store("gloo") is default
-        stop = threading.Event()
-        other = threading.Thread(target=stop.wait, args=(5.0,))
-        other.start()
-        try:
-            assert _c10d._store_threads() == 2
-            assert _c10d._formation_store("gloo") is not default  # a clone
-        finally:
-            stop.set()
-            other.join()
-
-
 @needs_interrupt
 @pytest.mark.parametrize("settle", [True, False])
 def test_a_held_group_closes_once_its_collective_has_ended(settle: bool) -> None:

@@ -1,0 +1,248 @@
+"""torch's distributed store: how the library reaches it, and every key it writes there.
+
+One module for both, so that a reader (or a torch upgrade) finds every store
+request's shape and every key in one place:
+
+* **access**: :func:`default_store`, the one store every group forms over;
+  :func:`read`, a look that never blocks and creates nothing;
+  :func:`wait_timed_out`, which tells a wait's timeout from a lost store by the
+  error's type (never its text); :class:`StoreUse`, the explicit decision to
+  share torch's store client or clone it for a formation.
+* **key layouts**, one section per family, each a pure function of its inputs:
+  the incarnations of a group (generation counters, gloo's addresses, the
+  formation barrier) and the diagnosis (announcements, process records,
+  deadlock agreements). The liveness watch's keys (``scopedmesh-watch/...``,
+  today in :mod:`scopedmesh.mesh.watch`) are meant to move here as one more
+  section: a function of (prefix, ranks, tags) that imports nothing above this
+  layer.
+
+Every key is relative to torch's default store (the store the default process
+group rendezvoused on), which torch prefixes per group for the group's own keys.
+
+>>> formation_keys("g-1")
+('g-1/formed', 'g-1/all-formed')
+>>> announcement_key(3), process_key(3)
+('scopedmesh-forming/3', 'scopedmesh-process/3')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from scopedmesh.c10d.names import group_name
+
+__all__ = [
+    "StoreUse",
+    "announcement_key",
+    "deadlock_key",
+    "default_store",
+    "formation_keys",
+    "generation_key",
+    "gloo_address_key",
+    "gloo_connects_eagerly",
+    "incarnation_keys",
+    "own_keys",
+    "process_key",
+    "read",
+    "wait_timed_out",
+]
+
+# compare_set's expected value: an absent key reads back as this, and nothing is created.
+_ABSENT = "\x00scopedmesh-absent"
+
+
+# ------------------------------------------------------------------ access
+
+
+def default_store() -> c10d.Store:
+    """torch's distributed store: the one the default process group rendezvoused on."""
+    return c10d._get_default_store()
+
+
+def read(store: c10d.Store, key: str) -> str | None:
+    """``key``'s value, or None if absent: one request that never blocks and creates nothing.
+
+    ``compare_set`` on an absent key with a non-empty expected value answers
+    that value and writes nothing (``tests/world/test_boundary.py`` pins it).
+    """
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return None if text == _ABSENT else text
+
+
+def wait_timed_out(error: BaseException, waited: float, limit: float) -> bool:
+    """Whether ``error``, raised by a store ``wait`` after ``waited`` of ``limit`` seconds, is
+    that wait's timeout (else the store failed: re-raise it).
+
+    By type, never by text: torch's TCP, prefix and hash stores raise
+    ``DistStoreError`` at a wait's timeout, and ``DistNetworkError`` when the
+    connection to the store is lost. torch's ``FileStore`` raises a plain
+    ``RuntimeError`` at its timeout; such an error counts only once the wait
+    has lasted its whole ``limit``. ``tests/world/test_boundary.py`` pins each
+    store's type per release.
+
+    >>> wait_timed_out(dist.DistStoreError("any words"), 0.01, 0.5)
+    True
+    >>> wait_timed_out(dist.DistNetworkError("timed out"), 0.5, 0.5)
+    False
+    >>> wait_timed_out(RuntimeError("any words"), 0.01, 0.5), wait_timed_out(RuntimeError(), 0.5, 0.5)
+    (False, True)
+    """
+    if isinstance(error, dist.DistNetworkError):  # the store's connection: never a timeout
+        return False
+    if isinstance(error, dist.DistStoreError):
+        return True
+    return isinstance(error, RuntimeError) and waited >= limit
+
+
+class StoreUse:
+    """Which threads of this process may use torch's store client: whether to clone it.
+
+    torch's TCPStore client runs one request at a time, and a blocking
+    ``wait`` (gloo's rendezvous, the formation barrier) holds it: two threads
+    forming groups at once over one client queue behind each other's waits,
+    and across ranks that can deadlock until the timeout. So a formation
+    clones the client (one more connection, kept by the group's backend while
+    the group lives) unless this is the only thread that may use it.
+
+    Which threads may: every live Python thread except those declared, by
+    their owner, to talk to the store over clients of their own
+    (:meth:`declare_own_clients`; a liveness watch declares its thread on the
+    meshes it guards). Nothing is read from a thread's name. The decision is
+    the caller's object, passed to each formation: a group table holds one.
+
+    Why not always clone: torch's store server looks up every new client
+    connection's peer in DNS, on the one thread that serves every request;
+    where the resolver loses the query, every rank's store requests wait its
+    5 s timeout (docs/healing.md, "The 5 s outliers"). A formation under a
+    watch (a heal) therefore opens no connection; a process with threads of
+    its own still pays one per formation.
+
+    >>> use = StoreUse()
+    >>> use.sharing_threads() == threading.active_count()
+    True
+    >>> use.declare_own_clients(threading.current_thread())
+    >>> use.sharing_threads() == threading.active_count() - 1
+    True
+    """
+
+    __slots__ = ("_own",)
+
+    def __init__(self) -> None:
+        self._own: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+    def declare_own_clients(self, thread: threading.Thread) -> None:
+        """``thread`` uses store clients of its own, never torch's default one."""
+        if not isinstance(thread, threading.Thread):
+            raise TypeError(f"thread must be a threading.Thread, got {type(thread).__name__}")
+        self._own.add(thread)
+
+    def sharing_threads(self) -> int:
+        """The live Python threads that may use torch's default client (the caller included)."""
+        return sum(1 for thread in threading.enumerate() if thread not in self._own)
+
+    def formation_store(self, store: c10d.Store) -> c10d.Store:
+        """``store`` if the caller is its only user, else a clone (``store`` if it cannot clone)."""
+        if self.sharing_threads() <= 1:
+            return store
+        clone: Any = getattr(store, "clone", None)
+        try:
+            cloned: c10d.Store = clone()
+        except (RuntimeError, TypeError):  # a store that cannot clone (or no clone): share it
+            return store
+        return cloned
+
+
+# ------------------------------------------------------------------ incarnations of a group
+
+
+def generation_key(ranks: Sequence[int], backend: str, rank: int) -> str:
+    """The counter of ``rank``'s incarnations of the group over ``ranks`` (kept for good).
+
+    >>> generation_key((0, 1), "gloo", 1)
+    'scopedmesh-40e50a5e73f9591580d9-0/generation/1'
+    """
+    return f"{group_name(ranks, backend, 0)}/generation/{rank}"
+
+
+def gloo_connects_eagerly() -> bool:
+    """Whether gloo rendezvous inside group construction (torch's default), not on first use.
+
+    Under ``TORCH_GLOO_LAZY_INIT=1`` gloo connects on the first collective, after
+    formation: no rendezvous to watch then, and its keys are still needed after it.
+    """
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "0") in ("", "0")
+
+
+def gloo_address_key(name: str, group_rank: int) -> str:
+    """Where gloo's member ``group_rank`` of incarnation ``name`` writes its address.
+
+    torch's layout (one CPU device): ``<group name>/<device>/<device index>/<rank>``
+    under torch's per-group prefix, ``tests/world/test_boundary.py`` pins it.
+
+    >>> gloo_address_key("g-1", 3)
+    'g-1//cpu//0/3'
+    """
+    return f"{name}//cpu//0/{group_rank}"
+
+
+def formation_keys(name: str) -> tuple[str, str]:
+    """The formation barrier's keys of incarnation ``name``: arrivals, and the release."""
+    return f"{name}/formed", f"{name}/all-formed"
+
+
+def own_keys(name: str, group_rank: int, backend: str) -> list[str]:
+    """The gloo address this member wrote for incarnation ``name``, if gloo connected eagerly."""
+    if backend == dist.Backend.GLOO and gloo_connects_eagerly():
+        return [gloo_address_key(name, group_rank)]
+    return []
+
+
+def incarnation_keys(name: str, size: int, backend: str) -> list[str]:
+    """The store keys that incarnation ``name`` writes (none is left after formation).
+
+    gloo: each member's address (none under ``TORCH_GLOO_LAZY_INIT=1``); the
+    formation barrier's two keys when there is more than one member.
+    ``tests/world/test_heal.py`` pins the layout: after formation no key of the
+    incarnation is left.
+
+    >>> incarnation_keys("g-1", 2, "gloo")
+    ['g-1//cpu//0/0', 'g-1//cpu//0/1', 'g-1/formed', 'g-1/all-formed']
+    """
+    keys = [key for r in range(size) for key in own_keys(name, r, backend)]
+    if size > 1:
+        keys += list(formation_keys(name))
+    return keys
+
+
+# ------------------------------------------------------------------ the diagnosis
+
+
+def announcement_key(rank: int) -> str:
+    """Where ``rank`` says what it waits in, while it waits past the grace period."""
+    return f"scopedmesh-forming/{rank}"
+
+
+def process_key(rank: int) -> str:
+    """Where ``rank`` says which process it is (host, pid namespace, pid, start time)."""
+    return f"scopedmesh-process/{rank}"
+
+
+def deadlock_key(names: Sequence[str]) -> str:
+    """The agreement key of a deadlock cycle among incarnations ``names`` (any order).
+
+    >>> deadlock_key(["b-1", "a-1"]) == deadlock_key(["a-1", "b-1"])
+    True
+    """
+    text = "|".join(sorted(names))
+    return (
+        f"scopedmesh-deadlock/{hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:20]}"
+    )
