@@ -34,11 +34,13 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Sequence
 from types import TracebackType
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 from scopedmesh.errors import shown
+from scopedmesh.layout import Axis
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
 __all__ = ["CHECKED_VERSION", "ScopedParallelDims", "check_torchtitan_version"]
@@ -163,7 +165,9 @@ class ScopedParallelDims(ParallelDims):  # type: ignore[misc]  # torchtitan ship
         """A DeviceMesh over a new view ``degrees`` named ``names``; torchtitan's absent axes on fake."""
         view = self._scopedmesh_root.view(*degrees, names=tuple(names))
         self._scopedmesh_views.append(view)
-        fake = {n: "fake" for n, d in zip(names, degrees) if not self._mesh_exist(n, d)}
+        fake: dict[Axis, str] = {
+            n: "fake" for n, d in zip(names, degrees) if not self._mesh_exist(n, d)
+        }
         return view.to_device_mesh(self._scopedmesh_device, backend_override=fake)
 
     def build_mesh(self) -> DeviceMesh:
@@ -186,14 +190,18 @@ class ScopedParallelDims(ParallelDims):  # type: ignore[misc]  # torchtitan ship
         loss = self._view_mesh(("pp", "loss_mesh", "tp"), (pp, batch * cp, tp))["loss_mesh"]
         spmd_dense: DeviceMesh | None = None
         if self.spmd_backend == "partial_dtensor":
-            dense = self._view_mesh(("pp", "dp_replicate", "fsdp", "tp"), (pp, dp_replicate, fsdp, tp))
+            dense = self._view_mesh(
+                ("pp", "dp_replicate", "fsdp", "tp"), (pp, dp_replicate, fsdp, tp)
+            )
         else:
             names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
             dense = self._view_mesh(names, (pp, dp_replicate, dp_shard, cp, tp))
             if self.spmd_backend == "spmd_types":
                 fwdbwd = self._view_mesh(("pp", "dp", "cp", "tp"), (pp, batch, cp, tp))
                 spmd_dense = fwdbwd["dp", "cp", "tp"]
-        sparse = self._view_mesh(("pp", "dp_replicate", "efsdp", "ep"), (pp, dp_replicate, efsdp, ep))
+        sparse = self._view_mesh(
+            ("pp", "dp_replicate", "efsdp", "ep"), (pp, dp_replicate, efsdp, ep)
+        )
         self._world_mesh = world
         self._fill_fields(dataloading, loss, dense, sparse, spmd_dense)
         return world
@@ -213,7 +221,7 @@ class ScopedParallelDims(ParallelDims):  # type: ignore[misc]  # torchtitan ship
             self._global_meshes["spmd_dense_for_fwdbwd"] = spmd_dense
         if self.spmd_backend == "spmd_types" and self.ep > 1:
             self._global_meshes["spmd_sparse_for_fwdbwd"] = sparse["dp_replicate", "efsdp", "ep"]
-        self._multi_axis_meshes = {}
+        self._multi_axis_meshes: dict[tuple[str, ...], DeviceMesh] = {}
         self._single_axis_meshes = {
             "pp": dataloading["pp"],
             "batch": dataloading["batch"],

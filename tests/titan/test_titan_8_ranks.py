@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="needs the extra: pip install 'scopedmesh[torchtitan]'")
 
-import _train  # noqa: E402
+import _train
 
 
 @pytest.mark.world(8, timeout=400)
