@@ -272,3 +272,16 @@ def test_another_torchtitan_release_is_refused_by_name() -> None:
     assert check_torchtitan_version() == CHECKED_VERSION
     with pytest.raises(RuntimeError, match=r"checked against torchtitan 0\.3\.0 only.*0\.4\.0"):
         check_torchtitan_version("0.4.0")
+
+
+@pytest.mark.parametrize("spmd_backend", ["partial_dtensor", "spmd_types"])
+def test_expert_meshes_are_built_from_the_sparse_view(spmd_backend: str) -> None:
+    # Not trained here (docs/torchtitan.md): the sparse mesh's sizes and ranks only.
+    with scoped_dims(8, 6, dp_shard=4, tp=2, ep=4, spmd_backend=spmd_backend) as dims:
+        assert dims.get_mesh("ep").size() == 4 and dims.get_mesh("efsdp").size() == 2
+        assert dims.get_mesh("ep").mesh.tolist() == [4, 5, 6, 7]  # efsdp x ep = 2 x 4, C order
+        assert dims.get_mesh("efsdp").mesh.tolist() == [2, 6]
+        assert "efsdp" in dims.get_all_one_dimensional_meshes()
+        if spmd_backend == "spmd_types":
+            sparse = dims.spmd_sparse_mesh()
+            assert sparse is not None and sparse.mesh_dim_names == ("dp_replicate", "efsdp", "ep")
