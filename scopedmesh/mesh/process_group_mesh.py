@@ -567,25 +567,59 @@ class ProcessGroupMesh:
                 child = self._slices[key] = self.submesh(*items)
         return child
 
-    def to_device_mesh(self, device_type: str, axes: Sequence[Axis] | None = None) -> DeviceMesh:
+    def to_device_mesh(
+        self,
+        device_type: str,
+        axes: Sequence[Axis] | None = None,
+        *,
+        backend_override: Mapping[Axis, str] | None = None,
+    ) -> DeviceMesh:
         """A torch ``DeviceMesh`` over this mesh's own groups, valid while the mesh is open.
 
         See :func:`scopedmesh.mesh.interop.to_device_mesh`, which calls this.
+        ``backend_override`` maps axes (names or indices) to the backend of their
+        group, as ``init_device_mesh``'s argument of that name does: e.g.
+        ``{"pp": "fake"}`` for an axis that carries no collective (torch's ``fake``
+        backend must be registered). Such a group is the mesh's too, one per
+        ``(ranks, backend)``.
         """
         from scopedmesh.c10d.device_mesh import (
             build_device_mesh,  # few programs need it: not at import
         )
 
         self._scope.check_open(self)
+        overrides = self._backend_overrides(backend_override)
+
+        def group_along(axis: int) -> dist.ProcessGroup | None:
+            backend = overrides.get(axis)
+            return self.get_group_along_axis(axis, backend=backend)
+
         return build_device_mesh(
             self._layout,
             self._coord,
             device_type,
             axes,
-            self.get_group_along_axis,
+            group_along,
             keeps_order=self._table.ordered,
             lifetime=Binding(self._scope, self),
         )
+
+    def _backend_overrides(self, backend_override: object) -> dict[int, str]:
+        """``backend_override`` checked, keyed by axis index."""
+        if backend_override is None:
+            return {}
+        if not isinstance(backend_override, Mapping):
+            raise TypeError(
+                "backend_override must map axes to backend names, such as {'pp': 'fake'}, "
+                f"got {shown(backend_override)}"
+            )
+        overrides: dict[int, str] = {}
+        for axis, backend in backend_override.items():
+            index = self._layout.axis_index(axis, argument="backend_override")
+            name = check_backend(backend, f"backend_override[{axis!r}]")
+            if name is not None:
+                overrides[index] = name
+        return overrides
 
 
 def _require_world() -> None:

@@ -1,8 +1,8 @@
 """The imports inside scopedmesh/ form layers, and each module's layer is its folder.
 
 Bottom to top (docs/ARCHITECTURE.md): ``errors``, ``layout/`` (pure), ``c10d/``
-(the torch boundary), ``mesh/``, ``plan/`` (pure), ``testing/``, then the public
-face (``__init__`` and ``__main__``).
+(the torch boundary), ``mesh/``, ``interop/`` (optional integrations, leaves),
+``plan/`` (pure), ``testing/``, then the public face (``__init__`` and ``__main__``).
 A module imports only from its own layer or below; a module this test cannot
 place fails it. Every ``import`` statement counts, including those inside
 functions and under ``if TYPE_CHECKING:``, so a lazy import cannot hide a cycle.
@@ -20,7 +20,7 @@ import scopedmesh
 PACKAGE = Path(scopedmesh.__file__).resolve().parent
 
 # Folders (and the one module that is a layer by itself), bottom to top.
-LAYERS = ("errors", "layout", "c10d", "mesh", "plan", "testing", "public")
+LAYERS = ("errors", "layout", "c10d", "mesh", "interop", "plan", "testing", "public")
 TORCH_FREE = frozenset({"errors", "layout", "plan"})
 
 
@@ -141,6 +141,19 @@ def test_mesh_never_imports_interop() -> None:
             reachable.add(target)
             todo.append(target)
     assert "scopedmesh.mesh.interop" not in reachable
+
+
+def test_integrations_are_leaves_nothing_imports() -> None:
+    """An optional integration (an extra, e.g. torchtitan) is imported by its users only."""
+    graph = _internal(_graph())
+    integrations = {name for name in graph if layer_of(name) == "interop"}
+    assert "scopedmesh.interop.torchtitan" in integrations
+    importers = sorted(
+        name
+        for name, targets in graph.items()
+        if name not in integrations and targets & integrations
+    )
+    assert not importers, f"{importers} import an optional integration"
 
 
 def test_every_module_has_a_layer() -> None:

@@ -364,3 +364,30 @@ def test_closing_the_mesh_destroys_every_group_torch_used(world: list[dict[str, 
         assert out["live_groups_after_close"] == 1  # WORLD only
         assert "is closed" in out["closed_error"]
         assert out["world_sum"] == 4.0  # WORLD still works
+
+
+@pytest.mark.world(2)
+def test_backend_override_gives_an_axis_a_group_of_that_backend(world: Any) -> None:
+    import torch.testing._internal.distributed.fake_pg  # registers "fake"
+
+    before = _c10d.live_group_count()
+    with ProcessGroupMesh(1, 2, names=("pp", "tp")) as mesh:
+        dm = mesh.to_device_mesh("cpu", backend_override={"pp": "fake"})
+        pp, tp = dm.get_group("pp"), dm.get_group("tp")
+        assert dist.get_backend(pp) == "fake"
+        assert pp is mesh.get_group_along_axis("pp", backend="fake")  # the mesh's, kept once
+        assert tp is mesh.get_group_along_axis("tp")  # not overridden: the mesh's backend
+        assert dm.mesh_dim_names == ("pp", "tp")
+        x = torch.ones(1)
+        dist.all_reduce(x, group=tp)
+        assert x.item() == 2.0
+        again = mesh.to_device_mesh("cpu", backend_override={0: "fake"})
+        assert again.get_group("pp") is pp
+        assert _c10d.live_group_count() == before + 2
+        with pytest.raises(TypeError, match=r"backend_override must map axes to backend names"):
+            mesh.to_device_mesh("cpu", backend_override=["pp"])  # type: ignore[arg-type]
+        with pytest.raises(AxisError, match=r"unknown backend_override 'dp'"):
+            mesh.to_device_mesh("cpu", backend_override={"dp": "fake"})
+        with pytest.raises(ValueError, match=r"backend_override\['tp'\] 'nonsense'"):
+            mesh.to_device_mesh("cpu", backend_override={"tp": "nonsense"})
+    assert _c10d.live_group_count() == before
