@@ -543,12 +543,8 @@ class LivenessWatch:
                 self._abort(mesh, hit)
 
     def _abort(self, mesh: ProcessGroupMesh, dead: Iterable[int]) -> None:
-        closable = sys.modules.get("scopedmesh.c10d.closable")
         dead = sorted(dead)
-        because = f"when the liveness watch learned that rank(s) {dead} died"
-        for group in mesh._table.groups():
-            if closable is not None and isinstance(group, closable.ClosableGroup):
-                group.interrupt(because)
+        mesh._table.abort(f"when the liveness watch learned that rank(s) {dead} died")
         now = time.time()
         for rank in dead:
             self._aborted.setdefault(rank, now)
