@@ -420,3 +420,70 @@ def test_an_aborted_mesh_refuses_every_group_formed_before_or_first_requested_af
             assert "rank(s) [3] died" in answer, (rank, what, answer)
     assert results[0]["healed"] == results[1]["healed"] == ([1, 2], 2.0)
     assert results[2]["healed"] == "sat out"
+
+
+# ------------------------------------------------------------------ never silent
+
+
+def test_a_watch_with_1100_open_fds_learns_of_a_death() -> None:
+    """select() refused descriptors above 1023 on the watch thread, silently: a death
+    went unseen for good. Every rank here holds 1,100 more open descriptors."""
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_watch.many_fds_then_a_death, 3, args=(1100,), allow_exit=[2])
+    for out in results[:2]:
+        assert out["highest_fd"] > 1100, out
+        assert out["lost"] == out["lost_call"] == [2], out
+
+
+def test_a_store_error_while_relinking_is_survived_and_reported_once() -> None:
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_watch.store_fails_while_relinking, 3, allow_exit=[1])
+    first, other = results[0], results[2]
+    assert first["failures_left"] == 0, first  # the injected errors were all hit
+    assert first["successor"] == 2 and first["lost"] == [1], first
+    assert "injected store failure in compare_set" in first["first_lost"], first
+    assert first["second_lost"] == [1], first  # reported once, and the watch goes on
+    assert other["lost"] == other["second_lost"] == [1], other
+
+
+def test_a_failure_of_the_watch_thread_surfaces_in_the_next_query(one_rank: Any) -> None:
+    import time
+
+    import _workers_watch
+
+    from scopedmesh import LivenessWatch
+
+    with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
+        faulty = _workers_watch.FailingStore(watch._thread_store, "add", 10**9)
+        faulty.armed = True
+        watch._thread_store = faulty
+        deadline = time.monotonic() + 10
+        while watch._failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match=r"its thread failed while watching .* injected"):
+            watch.lost()
+        watch._thread_store = faulty.store
+
+
+def test_guard_warns_once_where_groups_cannot_be_closed(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    from scopedmesh import LivenessWatch, ProcessGroupMesh
+
+    monkeypatch.setattr(closable, "supported", lambda: False)
+    with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                watch.guard(ProcessGroupMesh(1, names=("dp",))).close()
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1, said
+    assert "cannot abort a collective in flight" in said[0]
