@@ -487,3 +487,22 @@ def test_guard_warns_once_where_groups_cannot_be_closed(
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 1, said
     assert "cannot abort a collective in flight" in said[0]
+
+
+def test_close_after_an_error_never_hides_it(one_rank: Any) -> None:
+    """The store failing in close() (its host gone, say) is a warning after the error
+    that ended the block, never a replacement for it."""
+    import _workers_watch
+
+    from scopedmesh import LivenessWatch
+
+    store = None
+    with pytest.warns(RuntimeWarning, match="closing .* after ValueError also failed"):
+        with pytest.raises(ValueError, match="the original error"):
+            with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
+                store = watch._store
+                failing = _workers_watch.FailingStore(store, "add", 10**9)
+                failing.armed = True
+                watch._store = failing
+                raise ValueError("the original error")
+    assert watch.closed and store is not None
