@@ -129,8 +129,8 @@ def killed_inside_a_collective(
     rank: int, world: int, victim: int, delay: float, axis_size: int
 ) -> dict[str, Any]:
     """Every rank runs all_reduces back to back along a guarded mesh's ``dp`` axis
-    (``axis_size`` members per group) until a rank is SIGKILLed by a thread of rank
-    0 (rank 0 itself goes on with its collectives). Each survivor heals inside its
+    (``axis_size`` members per group) until ``victim`` is SIGKILLed by a thread of
+    rank 0 (rank 1 if the victim is 0), which itself goes on with its collectives. Each survivor heals inside its
     ``except`` block, as a training loop does, then runs 3 more all_reduces on the
     re-formed mesh. Returns how its collective ended and what it agreed on.
     """
@@ -151,7 +151,7 @@ def killed_inside_a_collective(
     shape = (axis_size, world // axis_size)
     mesh = watch.guard(ProcessGroupMesh(*shape, names=("dp", "tp"), timeout=60))
     mesh.create_groups("dp")
-    if rank == 0:
+    if rank == (1 if victim == 0 else 0):
         args = (store, victim, 20, delay)
         threading.Thread(target=_killer, args=args, daemon=True).start()
     done = 0

@@ -506,3 +506,42 @@ def test_close_after_an_error_never_hides_it(one_rank: Any) -> None:
                 watch._store = failing
                 raise ValueError("the original error")
     assert watch.closed and store is not None
+
+
+@pytest.mark.slow
+@needs_interrupt
+def test_soak_kills_from_outside_at_random_moments() -> None:
+    """30 worlds of 8 ranks (4 x 2, 2 x 4 and 8 x 1 dp x tp), each losing a random rank,
+    SIGKILLed by another rank's thread at a random moment while every rank runs dp
+    all_reduces: no survivor waits for a timeout, every one agrees on the dead rank,
+    and those that go on sum over the re-formed dp groups."""
+    import random
+
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    rng = random.Random(29)
+    for kill in range(30):
+        dp = (4, 2, 8)[kill % 3]
+        victim, delay = rng.randrange(8), rng.uniform(0.0, 0.05)
+        results = run_world(
+            _workers_watch.killed_inside_a_collective,
+            8,
+            args=(victim, delay, dp),
+            allow_exit=[victim],
+            timeout=240,
+        )
+        tp = 8 // dp
+        for rank, out in enumerate(results):
+            if rank == victim:
+                assert out is None
+                continue
+            assert not any(word in out["error"].lower() for word in TIMEOUT_WORDS), out
+            assert out["lost"] == [victim], (kill, out)
+            if rank // tp == victim // tp:  # the victim's dp slice sits out
+                assert "sat_out" in out, (kill, out)
+            else:
+                assert out["shape"] == [dp - 1, tp], (kill, out)
+                assert out["sums"] == [float(dp - 1)] * 3, (kill, out)
+    _figure("soak: 30 SIGKILLs from outside, inside collectives (8 ranks)", kills=30)
