@@ -10,11 +10,10 @@ request's shape and every key in one place:
   share torch's store client or clone it for a formation.
 * **key layouts**, one section per family, each a pure function of its inputs:
   the incarnations of a group (generation counters, gloo's addresses, the
-  formation barrier) and the diagnosis (announcements, process records,
-  deadlock agreements). The liveness watch's keys (``scopedmesh-watch/...``,
-  today in :mod:`scopedmesh.mesh.watch`) are meant to move here as one more
-  section: a function of (prefix, ranks, tags) that imports nothing above this
-  layer.
+  formation barrier), the diagnosis (announcements, process records,
+  deadlock agreements), the liveness watch (:class:`WatchKeys`: its ring's
+  addresses, its deaths, its agreements) and the watch-free agreement on lost
+  ranks (:func:`heal_keys`).
 
 Every key is relative to torch's default store (the store the default process
 group rendezvoused on), which torch prefixes per group for the group's own keys.
@@ -31,7 +30,8 @@ import hashlib
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -40,7 +40,10 @@ from torch.distributed import distributed_c10d as c10d
 from scopedmesh.c10d.names import group_name
 
 __all__ = [
+    "WATCH_ROOT",
+    "AgreementKeys",
     "StoreUse",
+    "WatchKeys",
     "announcement_key",
     "deadlock_key",
     "default_store",
@@ -48,6 +51,7 @@ __all__ = [
     "generation_key",
     "gloo_address_key",
     "gloo_connects_eagerly",
+    "heal_keys",
     "incarnation_keys",
     "own_keys",
     "process_key",
@@ -246,3 +250,120 @@ def deadlock_key(names: Sequence[str]) -> str:
     return (
         f"scopedmesh-deadlock/{hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:20]}"
     )
+
+
+# ------------------------------------------------------------------ the liveness watch
+
+WATCH_ROOT = "scopedmesh-watch"  # every key a liveness watch writes starts with this
+
+
+@dataclass(frozen=True)
+class AgreementKeys:
+    """The keys of one agreement among a watch's members, under ``base``.
+
+    >>> keys = AgreementKeys("scopedmesh-watch/1/agree/t")
+    >>> keys.slot(2), keys.accounted
+    ('scopedmesh-watch/1/agree/t/in/2', 'scopedmesh-watch/1/agree/t/accounted')
+    """
+
+    base: str
+
+    @property
+    def decision(self) -> str:
+        """The lost set the members agreed on (``lost:3,5``), written once."""
+        return f"{self.base}/decision"
+
+    @property
+    def accounted(self) -> str:
+        """The counter of members accounted for (checked in, or known lost)."""
+        return f"{self.base}/accounted"
+
+    def slot(self, rank: int) -> str:
+        """Where ``rank`` is accounted for, once: ``alive``, or ``lost:<who saw it>``."""
+        return f"{self.base}/in/{rank}"
+
+    def alive(self, rank: int) -> str:
+        """The check-in key of earlier releases (deleted at clean-up, never written now)."""
+        return f"{self.base}/alive/{rank}"
+
+
+@dataclass(frozen=True)
+class WatchKeys:
+    """The keys of one liveness watch: its members' ring addresses, deaths and agreements.
+
+    ``prefix`` is ``scopedmesh-watch/<n>``: the members' ``n``-th watch, numbered
+    by :meth:`counter` (members make their watches in the same order).
+
+    >>> keys = WatchKeys("scopedmesh-watch/1")
+    >>> keys.addr(3), keys.lost_of(3), WatchKeys.counter(0)
+    ('scopedmesh-watch/1/addr/3', 'scopedmesh-watch/1/lost/3', 'scopedmesh-watch/count/0')
+    >>> keys.all([0], ["t"])  # doctest: +NORMALIZE_WHITESPACE
+    ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/deaths', 'scopedmesh-watch/1/lost',
+     'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/agree/t/decision',
+     'scopedmesh-watch/1/agree/t/accounted', 'scopedmesh-watch/1/addr/0',
+     'scopedmesh-watch/1/lost/0', 'scopedmesh-watch/1/agree/t/alive/0',
+     'scopedmesh-watch/1/agree/t/in/0']
+    """
+
+    prefix: str
+
+    @staticmethod
+    def counter(rank: int) -> str:
+        """The counter that numbers ``rank``'s watches (kept: it names the next watch)."""
+        return f"{WATCH_ROOT}/count/{rank}"
+
+    @property
+    def closed(self) -> str:
+        """How many members closed their watch (the last one cleans up)."""
+        return f"{self.prefix}/closed"
+
+    @property
+    def deaths(self) -> str:
+        """How many members were declared lost (read every interval)."""
+        return f"{self.prefix}/deaths"
+
+    @property
+    def lost(self) -> str:
+        """The deaths as ``rank:reason,`` entries, appended by whoever declared each."""
+        return f"{self.prefix}/lost"
+
+    @property
+    def tags(self) -> str:
+        """The tags of the agreements held (one per line), for the clean-up."""
+        return f"{self.prefix}/tags"
+
+    def addr(self, rank: int) -> str:
+        """``rank``'s ring listener (``host:port``); deleted when it leaves."""
+        return f"{self.prefix}/addr/{rank}"
+
+    def lost_of(self, rank: int) -> str:
+        """Who declared ``rank`` lost, and why (written once, by ``compare_set``)."""
+        return f"{self.prefix}/lost/{rank}"
+
+    def agreement(self, tag: str) -> AgreementKeys:
+        """The keys of the agreement ``tag``."""
+        return AgreementKeys(f"{self.prefix}/agree/{tag}")
+
+    def all(self, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
+        """Every key the watches under this prefix over ``ranks`` can leave, given their
+        agreement ``tags`` (empty ones skipped); the per-rank counters are not among them."""
+        agreements = [self.agreement(tag) for tag in tags if tag]
+        keys = [self.closed, self.deaths, self.lost, self.tags]
+        for agreement in agreements:
+            keys += [agreement.decision, agreement.accounted]
+        for rank in ranks:
+            keys += [self.addr(rank), self.lost_of(rank)]
+            keys += [key for a in agreements for key in (a.alive(rank), a.slot(rank))]
+        return keys
+
+
+# ------------------------------------------------------------------ agree_on_lost (no watch)
+
+
+def heal_keys(tag: str, rank: int) -> tuple[str, str]:
+    """``rank``'s check-in key and the verdict key of the agreement ``tag`` (``agree_on_lost``).
+
+    >>> heal_keys("step-7", 2)
+    ('scopedmesh-heal/step-7/alive/2', 'scopedmesh-heal/step-7/lost')
+    """
+    return f"scopedmesh-heal/{tag}/alive/{rank}", f"scopedmesh-heal/{tag}/lost"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.c10d.store import heal_keys
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout import Axis
 from scopedmesh.layout.ints import is_int
@@ -115,13 +116,12 @@ def agree_on_lost(
     if members[-1] >= (world := dist.get_world_size()):
         raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
     store = _c10d.default_store()
-    prefix = f"scopedmesh-heal/{tag}"
-    store.set(f"{prefix}/alive/{rank}", "1")
+    mine, verdict_key = heal_keys(tag, rank)
+    store.set(mine, "1")
     deadline = time.monotonic() + seconds
     alive: set[int] = {rank}
-    verdict_key = f"{prefix}/lost"
     while True:
-        alive |= {r for r in members if r not in alive and store.check([f"{prefix}/alive/{r}"])}
+        alive |= {r for r in members if r not in alive and store.check([heal_keys(tag, r)[0]])}
         if len(alive) == len(members) or time.monotonic() >= deadline:
             break
         if store.check([verdict_key]):  # a survivor already decided: read its verdict

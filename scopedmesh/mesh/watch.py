@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.c10d.store import WATCH_ROOT, AgreementKeys, WatchKeys, read
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout import Axis
 from scopedmesh.layout.ints import is_int
@@ -64,7 +65,7 @@ from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 __all__ = ["LivenessWatch"]
 
 MAX_INTERVAL = 60.0  # seconds: an interval longer than this is a mistake, not a choice
-ROOT = "scopedmesh-watch"  # every key a watch writes starts with this
+ROOT = WATCH_ROOT  # every key a watch writes starts with this (c10d/store.py lays them out)
 
 
 def _check_interval(interval: object) -> float:
@@ -97,15 +98,6 @@ def _route_address() -> str:
 def _time_left(deadline: float) -> timedelta:
     """What is left until ``deadline`` (``time.monotonic()``), at least a millisecond."""
     return timedelta(seconds=max(0.001, deadline - time.monotonic()))
-
-
-_ABSENT = "\x00absent"  # no key holds this value: compare_set answers it for a missing key
-
-
-def _peek(store: Any, key: str) -> str | None:
-    """``key``'s value, or None if it is missing; never waits (``get`` waits for the key)."""
-    value: str = store.compare_set(key, _ABSENT, _ABSENT).decode()
-    return None if value == _ABSENT else value
 
 
 KEEPALIVE_IDLE = 1  # seconds a ring connection is quiet before the kernel probes the peer's host
@@ -168,24 +160,8 @@ def _check_members(ranks: Iterable[int] | None, host: object, store: object) -> 
 
 
 def key_names(prefix: str, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
-    """Every key the watches under ``prefix`` over ``ranks`` can leave, given their agreement
-    ``tags`` (empty ones are skipped); the per-rank counters of watches are not among them.
-
-    >>> key_names("scopedmesh-watch/1", [0], ["t"])  # doctest: +NORMALIZE_WHITESPACE
-    ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/deaths', 'scopedmesh-watch/1/lost',
-     'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/agree/t/decision',
-     'scopedmesh-watch/1/agree/t/accounted', 'scopedmesh-watch/1/addr/0',
-     'scopedmesh-watch/1/lost/0', 'scopedmesh-watch/1/agree/t/alive/0',
-     'scopedmesh-watch/1/agree/t/in/0']
-    """
-    tags = [tag for tag in tags if tag]
-    keys = [f"{prefix}/{name}" for name in ("closed", "deaths", "lost", "tags")]
-    for tag in tags:
-        keys += [f"{prefix}/agree/{tag}/{name}" for name in ("decision", "accounted")]
-    for rank in ranks:
-        keys += [f"{prefix}/addr/{rank}", f"{prefix}/lost/{rank}"]
-        keys += [f"{prefix}/agree/{tag}/{kind}/{rank}" for tag in tags for kind in ("alive", "in")]
-    return keys
+    """Every key the watches under ``prefix`` over ``ranks`` can leave (:meth:`WatchKeys.all`)."""
+    return WatchKeys(prefix).all(ranks, tags)
 
 
 class LivenessWatch:
@@ -228,7 +204,8 @@ class LivenessWatch:
         self._thread_store: Any = base.clone()  # the watch thread's: never behind a caller's wait
         self._store.set_timeout(self._timeout)
         self._thread_store.set_timeout(self._timeout)
-        self.prefix = f"{ROOT}/{self._store.add(f'{ROOT}/count/{self.rank}', 1)}"
+        self.prefix = f"{ROOT}/{self._store.add(WatchKeys.counter(self.rank), 1)}"
+        self.keys = WatchKeys(self.prefix)
         self._lost: frozenset[int] = frozenset()
         self._why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self._learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
@@ -249,7 +226,7 @@ class LivenessWatch:
         except BaseException:
             self._shut_sockets(goodbye=False)
             with contextlib.suppress(Exception):
-                self._store.delete_key(self._key("addr", self.rank))
+                self._store.delete_key(self.keys.addr(self.rank))
             raise
         self._closed = False
         self._thread = threading.Thread(
@@ -260,12 +237,12 @@ class LivenessWatch:
     def _join_ring(self) -> None:
         """Publish this rank's address, then link to its successor once it has published."""
         address = "{}:{}".format(*self._listener.getsockname()[:2])
-        self._store.set(self._key("addr", self.rank), address)
+        self._store.set(self.keys.addr(self.rank), address)
         successor = self._next_after(self.rank)
         if successor is None:
             return
         try:
-            self._store.wait([self._key("addr", successor)], self._timeout)
+            self._store.wait([self.keys.addr(successor)], self._timeout)
         except Exception as error:
             raise TimeoutError(
                 f"liveness watch: rank {successor} (this rank's successor) published no "
@@ -387,8 +364,8 @@ class LivenessWatch:
         _check_tag(tag)
         members = self._members_of(mesh)
         self._events += 1
-        self._store.append(f"{self.prefix}/tags", tag + "\n")
-        agreement = Agreement(self._store, f"{self.prefix}/agree/{tag}", members, self.rank)
+        self._store.append(self.keys.tags, tag + "\n")
+        agreement = Agreement(self._store, self.keys.agreement(tag), members, self.rank)
         agreement.check_in()
         deadline = time.monotonic() + limit.total_seconds()
         while True:
@@ -425,7 +402,7 @@ class LivenessWatch:
 
     def _read_deaths(self) -> frozenset[int]:
         """Every death the store lists, learned here (one ``get``); the lost set after."""
-        text = _peek(self._store, f"{self.prefix}/lost") or ""
+        text = read(self._store, self.keys.lost) or ""
         self._learn(_deaths(text))
         return self._lost
 
@@ -480,7 +457,7 @@ class LivenessWatch:
         store = self._store
         with contextlib.suppress(Exception):
             store.set_timeout(_time_left(deadline))
-            store.delete_key(self._key("addr", self.rank))  # a late connector sees "left"
+            store.delete_key(self.keys.addr(self.rank))  # a late connector sees "left"
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         self._thread.join(_time_left(deadline).total_seconds())
@@ -500,9 +477,6 @@ class LivenessWatch:
 
     # ------------------------------------------------------------------ internals
 
-    def _key(self, kind: str, rank: int) -> str:
-        return f"{self.prefix}/{kind}/{rank}"
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed; make a new LivenessWatch")
@@ -521,7 +495,7 @@ class LivenessWatch:
 
     def _link(self, rank: int) -> None:
         """Connect to ``rank``'s listener and say who we are (raises OSError if refused)."""
-        host, port = self._store.get(self._key("addr", rank)).decode().rsplit(":", 1)
+        host, port = self._store.get(self.keys.addr(rank)).decode().rsplit(":", 1)
         conn = socket.create_connection((host, int(port)), timeout=self._timeout.total_seconds())
         _keep_alive(conn).sendall(f"H{self.rank}\n".encode())
         self._succ = (rank, conn)
@@ -550,7 +524,7 @@ class LivenessWatch:
     def _link_next(self) -> None:
         candidate = self._next_after(self.rank)
         while candidate is not None:
-            address = _peek(self._thread_store, self._key("addr", candidate))
+            address = read(self._thread_store, self.keys.addr(candidate))
             if address is None:
                 self._left.add(candidate)  # closed its watch cleanly
             else:
@@ -562,7 +536,7 @@ class LivenessWatch:
                         self._succ, conn = (candidate, conn), None
                         return
                 except OSError as error:  # refused (nobody listens there), or no answer
-                    if self._thread_store.check([self._key("addr", candidate)]):
+                    if self._thread_store.check([self.keys.addr(candidate)]):
                         self._declare(candidate, _reason(error))
                     else:
                         self._left.add(candidate)
@@ -588,7 +562,7 @@ class LivenessWatch:
             except TimeoutError:
                 if time.monotonic() >= give_up:
                     raise
-            self._learn(_deaths(_peek(self._thread_store, f"{self.prefix}/lost") or ""))
+            self._learn(_deaths(read(self._thread_store, self.keys.lost) or ""))
             if rank in self._lost:
                 return None
 
@@ -597,9 +571,9 @@ class LivenessWatch:
         so that the others learn it first; then learn it here, even if the store failed."""
         store, me = self._thread_store, f"{self.rank}:{reason}"
         try:
-            if store.compare_set(self._key("lost", rank), "", me).decode() == me:
-                store.append(f"{self.prefix}/lost", f"{rank}:{reason},")
-                store.add(f"{self.prefix}/deaths", 1)
+            if store.compare_set(self.keys.lost_of(rank), "", me).decode() == me:
+                store.append(self.keys.lost, f"{rank}:{reason},")
+                store.add(self.keys.deaths, 1)
         finally:
             self._learn({rank: reason})
 
@@ -665,10 +639,10 @@ class LivenessWatch:
                 self._track()
                 if self._relink_due is not None:
                     self._relink()
-                count = self._thread_store.add(f"{self.prefix}/deaths", 0)
+                count = self._thread_store.add(self.keys.deaths, 0)
                 if count != seen:
                     seen = count
-                    text = self._thread_store.get(f"{self.prefix}/lost").decode()
+                    text = self._thread_store.get(self.keys.lost).decode()
                     self._learn(_deaths(text))
                     if self._succ is not None and self._succ[0] in self._lost:
                         self._relink()
@@ -753,7 +727,7 @@ class LivenessWatch:
         else:
             del self._peers[sock]
         if rank is not None:
-            if said_bye or not self._thread_store.check([self._key("addr", rank)]):
+            if said_bye or not self._thread_store.check([self.keys.addr(rank)]):
                 self._left.add(rank)
             else:
                 self._declare(rank, reason)
@@ -774,15 +748,15 @@ class LivenessWatch:
 
     def _clean_up(self) -> None:
         """The last member to close (the lost ones never will) deletes the watch's keys."""
-        store, prefix = self._store, self.prefix
-        closed = store.add(f"{prefix}/closed", 1)
-        dead = store.add(f"{prefix}/deaths", 0)
+        store, keys = self._store, self.keys
+        closed = store.add(keys.closed, 1)
+        dead = store.add(keys.deaths, 0)
         if closed + dead < len(self.ranks):
             return
         tags: list[str] = []
-        if store.check([f"{prefix}/tags"]):
-            tags = store.get(f"{prefix}/tags").decode().split("\n")
-        for key in key_names(prefix, self.ranks, tags):
+        if store.check([keys.tags]):
+            tags = store.get(keys.tags).decode().split("\n")
+        for key in keys.all(self.ranks, tags):
             store.delete_key(key)
 
 
@@ -801,22 +775,21 @@ class Agreement:
     a ``get`` of the deaths and a ``compare_set``, the others one ``get``.
 
     >>> store = dist.HashStore()
-    >>> one = Agreement(store, "t", [0], 0)
+    >>> one = Agreement(store, AgreementKeys("t"), [0], 0)
     >>> one.check_in(); one.poll(frozenset(), frozenset)
     frozenset()
     """
 
-    def __init__(self, store: Any, base: str, members: list[int], rank: int) -> None:
-        self.store, self.base, self.members, self.rank = store, base, members, rank
+    def __init__(self, store: Any, keys: AgreementKeys, members: list[int], rank: int) -> None:
+        self.store, self.keys, self.members, self.rank = store, keys, members, rank
         self._accounted: set[int] = set()  # members whose slot this rank tried to fill
-        self._decision = f"{base}/decision"
 
     def _account(self, rank: int, value: str) -> str:
         """Fill ``rank``'s slot with ``value`` unless it is filled; the value it holds."""
         self._accounted.add(rank)
-        held: str = self.store.compare_set(f"{self.base}/in/{rank}", "", value).decode()
+        held: str = self.store.compare_set(self.keys.slot(rank), "", value).decode()
         if held == value:
-            self.store.add(f"{self.base}/accounted", 1)
+            self.store.add(self.keys.accounted, 1)
         return held
 
     def check_in(self) -> None:
@@ -828,24 +801,22 @@ class Agreement:
     ) -> frozenset[int] | None:
         """The decision, once every member is accounted for; None until then."""
         store = self.store
-        if store.check([self._decision]):
-            return _decision(store.get(self._decision).decode())
+        if store.check([self.keys.decision]):
+            return _decision(store.get(self.keys.decision).decode())
         for rank in sorted(lost.intersection(self.members).difference(self._accounted)):
             self._account(rank, f"lost:{self.rank}")
-        if int(store.add(f"{self.base}/accounted", 0)) < len(self.members):
+        if int(store.add(self.keys.accounted, 0)) < len(self.members):
             return None
         # Every member is accounted for; a member another survivor accounted as lost is
         # in the store's deaths: read them, so that the proposal holds every one.
         known = read_deaths().intersection(self.members)
         proposal = "lost:" + ",".join(str(r) for r in sorted(known))
-        return _decision(store.compare_set(self._decision, "", proposal).decode())
+        return _decision(store.compare_set(self.keys.decision, "", proposal).decode())
 
     def missing(self, lost: frozenset[int]) -> list[int]:
         """The members neither checked in nor known lost (one ``check`` each: for errors)."""
         return [
-            r
-            for r in self.members
-            if r not in lost and not self.store.check([f"{self.base}/in/{r}"])
+            r for r in self.members if r not in lost and not self.store.check([self.keys.slot(r)])
         ]
 
 
