@@ -482,7 +482,7 @@ def test_close_after_an_error_never_hides_it(one_rank: Any) -> None:
     assert watch.closed and store is not None
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # a lane .ci/run runs (and slow: not in the README's command)
 @needs_interrupt
 def test_soak_kills_from_outside_at_random_moments() -> None:
     """30 worlds of 8 ranks (4 x 2, 2 x 4 and 8 x 1 dp x tp), each losing a random rank,
