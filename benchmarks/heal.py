@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -424,35 +425,108 @@ def check(result: dict[str, Any], victim: int, kill_step: int, steps: int) -> No
         raise RuntimeError(f"the watches left store keys: {result['watch_keys'][:10]}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=2026)
-    args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
-    rows = []
-    print(
-        f"{'kill':>4} {'rank':>4} {'step':>4} " + " ".join(f"{p:>10}" for p in PHASES), flush=True
-    )
-    for kill in range(args.kills):
-        victim, step = rng.randrange(8), rng.randrange(1, args.steps - 1)
-        plan = {"steps": args.steps, "kill": {str(victim): step}}
-        result = launch(plan)
-        check(result, victim, step, args.steps)
-        row = phases(result, victim)
-        rows.append(row)
-        print(
-            f"{kill + 1:>4} {victim:>4} {step:>4} " + " ".join(f"{t:>10.3f}" for t in row),
-            flush=True,
-        )
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.1f}/{five:.1f}"
+
+
+def _summary(rows: list[list[float]]) -> str:
     totals = [row[-1] for row in rows]
     medians = [statistics.median(row[i] for row in rows) for i in range(len(PHASES))]
-    print(
-        f"heal: median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
+    return (
+        f"median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
         f"{len(rows)} kills (detect {medians[0]:.3f}, abort {medians[1]:.3f}, agree "
         f"{medians[2]:.3f}, re-form {medians[3]:.3f}, first step {medians[4]:.3f})"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import heal_random
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=20, help="kills per shape")
+    parser.add_argument(
+        "--shapes", default="2x2x2,4x2,8x1", help="of " + ",".join(heal_random.SHAPES)
+    )
+    parser.add_argument("--timeout", type=float, default=60.0, help="the mesh's collective timeout")
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--against", choices=["torchft"], help="side by side with torchft")
+    parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
+    args = parser.parse_args(argv)
+    if args.against == "torchft":
+        from benchmarks import heal_torchft
+
+        return heal_torchft.main(args)
+    rng = random.Random(args.seed)
+    started, load_before = time.monotonic(), _load()
+    every: list[list[float]] = []
+    record: list[dict[str, Any]] = []
+    shapes = args.shapes.split(",")
+    for shape in shapes:
+        plan = heal_random.plan_for(shape, timeout=args.timeout)
+        names = ", ".join(plan["names"])
+        print(
+            f"{shape} ({names}), {math.prod(plan['shape'])} ranks, {args.kills} kills, "
+            f"mesh timeout {args.timeout:g} s, {_load()}",
+            flush=True,
+        )
+        print(
+            f"{'kill':>4} {'rank':>4} {'step':>4} {'killed in':<14} "
+            + " ".join(f"{p:>10}" for p in PHASES)
+            + "  survivors raised in",
+            flush=True,
+        )
+        rows = []
+        mid = 0
+        for number in range(args.kills):
+            kill = heal_random.launch(plan, rng)
+            heal_random.check(kill, plan)
+            row = heal_random.phases(kill)
+            rows.append(row)
+            mid += kill.where.endswith("all_reduce")
+            raised = ", ".join(heal_random.survivor_errors(kill))
+            print(
+                f"{number + 1:>4} {kill.victim:>4} {kill.step:>4} {kill.where:<14} "
+                + " ".join(f"{t:>10.3f}" for t in row)
+                + f"  {raised}",
+                flush=True,
+            )
+            record.append(
+                {
+                    "shape": shape,
+                    "victim": kill.victim,
+                    "step": kill.step,
+                    "where": kill.where,
+                    "delay": kill.delay,
+                    "phases": dict(zip(PHASES, row)),
+                    "raised_in": raised,
+                }
+            )
+        every += rows
+        print(
+            f"{shape}: {_summary(rows)}; killed inside a collective {mid} of {len(rows)}; "
+            f"{_load()}",
+            flush=True,
+        )
+    wall = time.monotonic() - started
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": "python -m benchmarks.heal " + " ".join(argv or sys.argv[1:]),
+                    "torch": torch.__version__,
+                    "wall_s": wall,
+                    "load_before": load_before,
+                    "load_after": _load(),
+                    "kills": record,
+                    "summary": "heal: " + _summary(every),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    print(f"wall {wall:.0f} s; {load_before} before, {_load()} after", flush=True)
+    print(f"heal: {_summary(every)}")
     return 0
 
 
