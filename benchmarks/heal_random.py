@@ -56,7 +56,17 @@ SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
 PHASES = ("detect", "abort", "agree", "re-form", "first step")
 
 # Where a rank is, in its slot of the status file the launcher reads before it kills.
-WHERE = ("start", "compute", "tp all_reduce", "pp all_reduce", "dp all_reduce", "healing", "done")
+WHERE = (
+    "start",
+    "compute",
+    "tp all_reduce",
+    "pp all_reduce",
+    "dp all_reduce",
+    "healing",
+    "done",
+    "quorum",
+    "commit",
+)
 _SLOT = struct.Struct("<iid")  # step, where, time of the last change
 
 
