@@ -120,11 +120,15 @@ def replica_main(index: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any
             raise TimeoutError(f"waited {plan['timeout']} s for the other replicas to start")
         time.sleep(0.01)
     time.sleep(2 * plan["heartbeat_interval_ms"] / 1000)
-    commits: list[list[float]] = []
+    commits: list[list[Any]] = []
     full, after = 0, 0
+    victim: int | None = None
+    marker = Path(outdir, "killed")
     deadline = time.monotonic() + plan["run_timeout"]
     try:
         while after < plan["after"] and time.monotonic() < deadline:
+            if victim is None and marker.exists():
+                victim = int(marker.read_text() or -1)
             status.set(index, full, "quorum")
             manager.start_quorum()
             n = manager.num_participants()
@@ -139,10 +143,13 @@ def replica_main(index: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any
             status.set(index, full, "commit")
             if manager.should_commit():
                 apply(weights, bucket, 1)
-                commits.append([step, time.time(), n])
+                # The quorum's members: the replica indices its process group was
+                # configured with (torchft keeps them on the group, not on the Manager).
+                members = list(getattr(manager._pg, "_global_ranks", None) or [])
+                commits.append([step, time.time(), n, members])
                 if n == REPLICAS:
                     full += 1
-                elif n < REPLICAS:
+                if victim is not None and victim not in members:
                     after += 1
     finally:
         status.set(index, full, "done")
@@ -163,6 +170,10 @@ def _child(index: int, outdir: str, plan: dict[str, Any]) -> None:
     os._exit(0)
 
 
+class NotWarm(RuntimeError):
+    """torchft's quorum never held every replica before the kill: nothing to measure."""
+
+
 @dataclass
 class Killed:
     victim: int
@@ -180,6 +191,7 @@ def launch(
     warm_steps: int = 2,
     window_steps: float = 3.0,
     run_timeout: float = 180.0,
+    warm_timeout: float = 90.0,
 ) -> Killed:
     """One torchft run: a lighthouse, 4 replicas, one SIGKILL at a random moment."""
     from torchft._torchft import LighthouseServer
@@ -208,6 +220,7 @@ def launch(
             for p in procs:
                 p.start()
             deadline = time.monotonic() + run_timeout + 30
+            warm_deadline = time.monotonic() + warm_timeout
             killed_at, where = 0.0, "never"
             try:
                 first: float | None = None
@@ -218,15 +231,17 @@ def launch(
                     if min(steps) >= warm_steps + 1 and first is not None:
                         per_step = (time.monotonic() - first) / warm_steps
                         break
-                    if time.monotonic() > deadline or any(not p.is_alive() for p in procs):
-                        for f in Path(outdir).glob("rank*.json"):
-                            print(f.read_text()[-3000:], file=sys.stderr)
-                        raise RuntimeError(f"torchft's replicas did not warm up ({steps})")
+                    if time.monotonic() > warm_deadline or any(not p.is_alive() for p in procs):
+                        raise NotWarm(
+                            f"the quorum did not hold all {REPLICAS} replicas for {warm_steps} "
+                            f"steps within {warm_timeout:g} s (steps in full quorums: {steps})"
+                        )
                     time.sleep(0.002)
                 time.sleep(rng.uniform(0.0, window_steps * per_step))
                 _, where, _ = status.get(victim)
                 killed_at = time.time()
                 os.kill(procs[victim].pid or 0, signal.SIGKILL)
+                Path(outdir, "killed").write_text(str(victim))
                 for p in procs:
                     p.join(max(0.0, deadline - time.monotonic()))
             finally:
@@ -254,7 +269,11 @@ def heal_time(killed: Killed) -> tuple[float, str]:
             continue
         if "unexpected" in report:
             return math.nan, f"replica {rank}: " + report["unexpected"].strip().splitlines()[-1]
-        after = [at for _, at, n in report["commits"] if at > killed.killed_at and n < REPLICAS]
+        after = [
+            at
+            for _, at, _, members in report["commits"]
+            if at > killed.killed_at and killed.victim not in members
+        ]
         if not after:
             return math.nan, f"replica {rank} never committed without the dead one"
         times.append(min(after) - killed.killed_at)
@@ -301,9 +320,12 @@ def main(args: argparse.Namespace) -> int:
                 heal_random.check(kill, plan)
                 took, where = heal_random.phases(kill)[-1], kill.where
             else:
-                killed = launch(CONFIGS[name], rng, timeout=args.timeout)
-                took, failure = heal_time(killed)
-                where = killed.where
+                try:
+                    killed = launch(CONFIGS[name], rng, timeout=args.timeout)
+                    took, failure = heal_time(killed)
+                    where = killed.where
+                except NotWarm as error:
+                    took, failure, where = math.nan, str(error), "not killed"
                 if failure:
                     failures.append(f"kill {number + 1}, {name}: {failure[:300]}")
             times[name].append(took)
