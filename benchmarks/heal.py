@@ -502,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                     "delay": kill.delay,
                     "phases": dict(zip(PHASES, row)),
                     "raised_in": raised,
+                    "launcher_marks": kill.marks,
                 }
             )
         every += rows

@@ -341,6 +341,7 @@ class Kill:
     delay: float
     reports: dict[int, dict[str, Any]]
     exitcodes: dict[int, int | None]
+    marks: dict[str, float]  # the launcher's clock: started, warm, killed, ended
 
 
 def launch(
@@ -362,6 +363,7 @@ def launch(
             ctx.Process(target=_child, args=(rank_main, r, world, store.port, outdir, plan))
             for r in range(world)
         ]
+        marks = {"started": time.monotonic()}
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -379,13 +381,16 @@ def launch(
                 if time.monotonic() > deadline or any(not p.is_alive() for p in procs):
                     raise RuntimeError(f"the world did not warm up (steps {steps})")
                 time.sleep(0.002)
+            marks["warm"] = time.monotonic()
             delay = rng.uniform(0.0, window_steps * per_step)
             time.sleep(delay)
             at_step, where, _ = status.get(victim)
             killed_at = time.time()
             os.kill(procs[victim].pid or 0, signal.SIGKILL)
+            marks["killed"] = time.monotonic()
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
+            marks["ended"] = time.monotonic()
         finally:
             for p in procs:
                 if p.is_alive():
@@ -403,6 +408,7 @@ def launch(
         delay,
         reports,
         {r: p.exitcode for r, p in enumerate(procs)},
+        {k: v - marks["started"] for k, v in marks.items()},
     )
 
 
