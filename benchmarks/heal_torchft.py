@@ -191,7 +191,7 @@ def launch(
     warm_steps: int = 2,
     window_steps: float = 3.0,
     run_timeout: float = 180.0,
-    warm_timeout: float = 90.0,
+    warm_timeout: float = 40.0,
 ) -> Killed:
     """One torchft run: a lighthouse, 4 replicas, one SIGKILL at a random moment."""
     from torchft._torchft import LighthouseServer
