@@ -216,7 +216,7 @@ def reference_big(n: int, steps: int, replicas_at: Callable[[int], int]) -> torc
 
 
 def _tp_pp_dp(mesh: ProcessGroupMesh) -> tuple[dict[str, int], dict[str, int]]:
-    names = mesh.layout.names
+    names = mesh.layout.names or ()
     return (
         {a: mesh.size(a) for a in names},
         {a: mesh.coordinate(a) for a in names},
