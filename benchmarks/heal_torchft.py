@@ -106,9 +106,7 @@ def replica_main(index: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any
         lighthouse_addr=plan["lighthouse"],
         hostname="127.0.0.1",
         heartbeat_interval=timedelta(milliseconds=plan["heartbeat_interval_ms"]),
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
+        timeout=timeout,  # collectives, should_commit; quorum and connect keep their 60 s
         init_sync=False,  # every replica starts from the same weights
     )
     # Start together: every Manager heartbeating before the first quorum, so that it
