@@ -12,8 +12,9 @@ replica.
   healed by agree + ``reform(mesh, lost, "dp")`` (:mod:`benchmarks.heal_random`).
 - **torchft 0.2.0**: its Lighthouse (``torchft._torchft.LighthouseServer``) in
   the launcher; per replica a process with its own ``TCPStore``, a
-  ``torchft.Manager`` (``min_replica_size=2``, ``ProcessGroupGloo``) and the
-  training loop torchft documents for manual use: ``start_quorum()``,
+  ``torchft.Manager`` (``min_replica_size=2``, ``ProcessGroupGloo``; its
+  ``timeout`` and the group's set to the run's collective timeout, the rest
+  its defaults) and the training loop torchft documents for manual use: ``start_quorum()``,
   ``allreduce(bucket).wait()``, ``should_commit()``, and the optimizer step only
   when it returned True. Run twice: with its documented defaults and with the
   lower heartbeat timeout, quorum tick and join timeout its own tests use
