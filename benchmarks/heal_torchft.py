@@ -267,7 +267,11 @@ def heal_time(killed: Killed) -> tuple[float, str]:
         if rank == killed.victim:
             continue
         if "unexpected" in report:
-            return math.nan, f"replica {rank}: " + report["unexpected"].strip().splitlines()[-1]
+            lines = report["unexpected"].strip().splitlines()
+            calls = [line.strip() for line in lines if line.strip().startswith("File ")]
+            mine = [c for c in calls if "benchmarks" in c]
+            at = f" (in {mine[-1]}; raised {calls[-1]})" if mine else ""
+            return math.nan, f"replica {rank}: {lines[-1]}{at}"
         after = [
             at
             for _, at, _, members in report["commits"]
@@ -326,7 +330,7 @@ def main(args: argparse.Namespace) -> int:
                 except NotWarm as error:
                     took, failure, where = math.nan, str(error), "not killed"
                 if failure:
-                    failures.append(f"kill {number + 1}, {name}: {failure[:300]}")
+                    failures.append(f"kill {number + 1}, {name}: {failure[:600]}")
             times[name].append(took)
             row.append(f"{took:>7.3f} s ({where})")
         print(f"{number + 1:>4} " + " ".join(f"{cell:>22}" for cell in row), flush=True)
