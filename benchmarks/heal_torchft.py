@@ -125,7 +125,10 @@ def replica_main(index: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any
     marker = Path(outdir, "killed")
     deadline = time.monotonic() + plan["run_timeout"]
     try:
-        while after < plan["after"] and time.monotonic() < deadline:
+        # Train on until every survivor has its `after` commits (the launcher ends the
+        # run then): a replica that stopped alone would leave the last one without a
+        # quorum. The commits so far are on disk after every commit.
+        while time.monotonic() < deadline:
             if victim is None and marker.exists():
                 victim = int(marker.read_text() or -1)
             status.set(index, full, "quorum")
@@ -150,6 +153,11 @@ def replica_main(index: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any
                     full += 1
                 if victim is not None and victim not in members:
                     after += 1
+                    if after == plan["after"]:
+                        Path(outdir, f"done{index}").touch()
+                partial = Path(outdir, f"partial{index}")
+                partial.write_text(json.dumps({"commits": commits}))
+                partial.replace(Path(outdir, f"rank{index}.json"))
     finally:
         status.set(index, full, "done")
         manager.shutdown(wait=False)
@@ -241,8 +249,13 @@ def launch(
                 killed_at = time.time()
                 os.kill(procs[victim].pid or 0, signal.SIGKILL)
                 Path(outdir, "killed").write_text(str(victim))
-                for p in procs:
-                    p.join(max(0.0, deadline - time.monotonic()))
+                survivors = [i for i in range(REPLICAS) if i != victim]
+                while time.monotonic() < deadline:
+                    if all(Path(outdir, f"done{i}").exists() for i in survivors):
+                        break
+                    if any(procs[i].exitcode is not None for i in survivors):
+                        break  # a survivor failed: its report says why
+                    time.sleep(0.01)
             finally:
                 for p in procs:
                     if p.is_alive():
