@@ -369,14 +369,15 @@ def launch(
         deadline = time.monotonic() + timeout
         killed_at, where, at_step, delay = 0.0, "never", -1, 0.0
         try:
-            # Warm up: every rank past `warm_steps`; the step time from the slowest rank.
+            # Warm up: every rank past `warm_steps`; then the step time of the slowest
+            # rank over 2 more steps (the first steps also connect gloo's pairs).
             first: float | None = None
             while True:
                 steps = [status.get(r)[0] for r in range(world)]
-                if first is None and min(steps) >= 1:
+                if first is None and min(steps) >= warm_steps:
                     first = time.monotonic()
-                if min(steps) >= warm_steps + 1 and first is not None:
-                    per_step = (time.monotonic() - first) / warm_steps
+                if min(steps) >= warm_steps + 2 and first is not None:
+                    per_step = (time.monotonic() - first) / 2
                     break
                 if time.monotonic() > deadline or any(not p.is_alive() for p in procs):
                     raise RuntimeError(f"the world did not warm up (steps {steps})")

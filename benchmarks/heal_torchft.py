@@ -233,10 +233,10 @@ def launch(
                 first: float | None = None
                 while True:
                     steps = [status.get(r)[0] for r in range(REPLICAS)]
-                    if first is None and min(steps) >= 1:
+                    if first is None and min(steps) >= warm_steps:
                         first = time.monotonic()
-                    if min(steps) >= warm_steps + 1 and first is not None:
-                        per_step = (time.monotonic() - first) / warm_steps
+                    if min(steps) >= warm_steps + 2 and first is not None:
+                        per_step = (time.monotonic() - first) / 2
                         break
                     if time.monotonic() > warm_deadline or any(not p.is_alive() for p in procs):
                         raise NotWarm(
