@@ -20,6 +20,9 @@ would be; :func:`~scopedmesh.c10d.groups.new_member_group` then records it as gl
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from scopedmesh.errors import MeshClosedError
 
-__all__ = ["BACKEND", "ClosableGroup", "make_closable_gloo", "register", "supported"]
+__all__ = ["BACKEND", "ClosableGroup", "Handle", "make_closable_gloo", "register", "supported"]
 
 # The name of the backend in torch's registry. torch records it for the group;
 # new_member_group replaces that record with "gloo", which is what the group is.
@@ -84,8 +87,104 @@ FORWARDED = (
 )
 
 
+class Handle(dist.Work):
+    """What a collective on a :class:`ClosableGroup` returns: gloo's work, let go of in time.
+
+    A gloo work holds its group's connections (its gloo context). Were the
+    work kept after its collective failed, the connections to every other
+    member would stay open, and a member waiting on this rank would wait for
+    the collective's timeout: the exception a failed ``dist.all_reduce`` raises
+    keeps that work alive through its traceback (``all_reduce``'s frame), for as
+    long as the caller handles it (say, while it heals inside its ``except``
+    block). So the handle lets go of the work once a wait on it has failed, and
+    whenever its group closes (:meth:`ClosableGroup.release`, :meth:`~ClosableGroup.settle`).
+    A handle let go of is completed: ``wait`` returns ``True`` (or raises again,
+    if the collective failed) and ``get_future`` gives the future it gave before.
+    """
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self._work: dist.Work | None = work
+        self._future: Any = None
+        self._failure = ""  # "<type>: <message>" of the failed wait that let go of the work
+
+    def busy(self) -> bool:
+        """Whether the collective is still in flight (its group must not close under it)."""
+        work = self._work
+        return work is not None and not work.is_completed()
+
+    def let_go(self) -> None:
+        """Drop gloo's work (and with it this handle's hold on the group's connections)."""
+        self._work = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:  # noqa: B008  # torch's default
+        """Wait for the collective; on failure, let go of the work, then raise."""
+        work = self._work
+        if work is None:
+            if self._failure:
+                raise RuntimeError(f"this collective failed earlier: {self._failure}")
+            return True
+        try:
+            return bool(work.wait(timeout))
+        except BaseException as error:
+            if work.is_completed():  # failed, not merely timed out: nothing is in flight
+                self._failure = f"{type(error).__name__}: {error}"
+                self._work = None
+            raise
+        finally:
+            del work  # the traceback keeps this frame: it must not keep the work
+
+    def is_completed(self) -> bool:
+        """Whether the collective has ended (a handle let go of has)."""
+        work = self._work
+        return work is None or work.is_completed()
+
+    def is_success(self) -> bool:
+        """Whether the collective ended without an error (a handle let go of: as it ended)."""
+        work = self._work
+        return not self._failure if work is None else work.is_success()
+
+    def exception(self) -> Any:
+        """gloo's error, while the work is held; None once let go of."""
+        work = self._work
+        return None if work is None else work.exception()
+
+    def get_future(self) -> Any:
+        """The collective's future (the same one after the work is let go of)."""
+        if self._future is None:
+            self._future = self._held().get_future()
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors, while the work is held."""
+        return self._held().result()
+
+    def source_rank(self) -> int:
+        """The sender of a ``recv_anysource``, while the work is held."""
+        return self._held().source_rank()
+
+    def synchronize(self) -> None:
+        """Nothing to synchronise on CPU once let go of."""
+        work = self._work
+        if work is not None:
+            work.synchronize()
+
+    def _held(self) -> dist.Work:
+        work = self._work
+        if work is None:
+            raise MeshClosedError(
+                "this collective's work was let go of (it failed, or its group was shut down)"
+                + (f": {self._failure}" if self._failure else "")
+            )
+        return work
+
+
 class ClosableGroup(dist.ProcessGroup):
     """A gloo group whose connections end when :meth:`release` is called.
+
+    Every collective's work is given out as a :class:`Handle` and remembered
+    while in flight, so :meth:`interrupt` knows, on any thread and at any
+    moment, whether closing the connections now would wait for a collective.
 
     >>> issubclass(ClosableGroup, dist.ProcessGroup)
     True
@@ -95,8 +194,11 @@ class ClosableGroup(dist.ProcessGroup):
         # torch's stubs list only (store, rank, size); (rank, size) holds no store.
         super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
         self._inner: dist.ProcessGroup | None = inner
-        self._held: dist.ProcessGroup | None = None  # aborted while busy: kept until release
-        self._pending: list[dist.Work] | None = None  # None: not tracked (see track)
+        self._held: dist.ProcessGroup | None = None  # interrupted while busy: kept until settled
+        self._handles: list[Handle] = []  # the handles of collectives in flight, as last seen
+        self._given: weakref.WeakSet[Handle] = weakref.WeakSet()  # every handle still kept
+        self._calls = 0  # operations between taking the inner group and recording their work
+        self._lock = threading.Lock()  # guards the three above against interrupt()'s thread
         self._released_because = ""
         self._name = ""
         self._desc = ""
@@ -113,70 +215,95 @@ class ClosableGroup(dist.ProcessGroup):
         return inner
 
     def release(self, because: str = "when its mesh closed") -> None:
-        """Drop the inner group: its sockets close and its threads end (local, idempotent)."""
-        if self._inner is not None:
-            self._released_because = because
-            self._inner = None
-        self._pending = None
-        self._held = None  # an aborted group's connections end here at the latest
+        """Drop the inner group: its sockets close and its threads end (local, idempotent).
 
-    def track(self) -> None:
-        """Remember the work of the collectives started from now on, for :meth:`interrupt`.
-
-        Off by default (a handle nobody interrupts pays nothing); a liveness watch
-        turns it on for the groups of the meshes it guards. Idempotent.
+        The caller's thread waits here for a collective still in flight (gloo's
+        destructor does); a mesh's close is the one caller.
         """
-        if self._pending is None and self._inner is not None:
-            self._pending = []
+        with self._lock:
+            if self._inner is not None:
+                self._released_because = because
+            handles, self._handles = list(self._given), []
+            inner, held = self._inner, self._held
+            self._inner = self._held = None
+        for handle in handles:
+            handle.let_go()
+        del inner, held  # the last references: gloo closes its sockets here
 
     def interrupt(self, because: str) -> bool:
         """Shut the group down from another thread, without waiting for a collective on it.
 
         Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
-        If no collective is in flight (as far as :meth:`track` saw), the
-        connections close now, so peers blocked in a collective with this rank
-        raise at once; returns True. Otherwise gloo's destructor would wait for
-        that collective, so the group is held and False is returned: the
-        collective in flight ends (it completes, or fails when a peer's
-        connections close), and then :meth:`settle` closes the connections.
-        Until then, and at the latest at :meth:`release` (the mesh's close), the
-        group stays open. Local, idempotent.
+        If no collective is in flight, the connections close now, so peers
+        blocked in a collective with this rank raise at once; returns True.
+        Otherwise gloo's destructor would wait for that collective, so the group
+        is held and False is returned: the collective in flight ends (it
+        completes, or fails when a peer's connections close), and then
+        :meth:`settle` closes the connections. Local, idempotent.
         """
-        inner = self._inner
-        if inner is None:
-            return self._held is None
-        pending = self._pending
-        busy = pending is None or any(not work.is_completed() for work in pending)
-        self._released_because = because
-        if busy:
-            self._held = inner  # with its pending work (None: untracked), for settle()
-        else:
-            self._pending = None
-        self._inner = None
-        del inner  # not busy: the last reference, gloo closes its sockets here
-        return not busy
+        with self._lock:
+            inner = self._inner
+            if inner is None:
+                return self._held is None
+            self._released_because = because
+            self._inner = None
+            if self._busy():
+                self._held = inner
+                return False
+            handles, self._handles = list(self._given), []
+        for handle in handles:
+            handle.let_go()
+        del inner  # nothing in flight: the last reference, gloo closes its sockets here
+        return True
 
     def settle(self) -> bool:
-        """Close a group :meth:`interrupt` held, once the collectives it saw in flight ended.
+        """Close a group :meth:`interrupt` held, once the collectives in flight have ended.
 
         A held group whose collective has completed (or failed) is idle, and
         nothing new can start on it; were it kept open until its mesh closes,
         a peer that went on to its next collective on this group would wait for
         the group's timeout (and a survivor's agreement for that peer with it).
-        Returns whether the group is now closed (True when nothing is held). A
-        group held untracked (no record of its work) stays held until
-        :meth:`release`. Local, idempotent; a liveness watch calls it every
-        interval for the meshes it guards.
+        Returns whether the group is now closed (True when nothing is held).
+        Local, idempotent; a liveness watch calls it every interval for the
+        meshes it guards.
         """
-        held, pending = self._held, self._pending
-        if held is None:
-            return True
-        if pending is None or any(not work.is_completed() for work in pending):
-            return False
-        self._pending = None
-        self._held = None
-        del held, pending  # the last references: gloo closes its sockets here
+        with self._lock:
+            held = self._held
+            if held is None:
+                return True
+            if self._busy():
+                return False
+            self._held = None
+            handles, self._handles = list(self._given), []
+        for handle in handles:
+            handle.let_go()
+        del held  # the last reference: gloo closes its sockets here
         return True
+
+    def busy(self) -> bool:
+        """Whether a collective on this group is in flight (or being started)."""
+        with self._lock:
+            return self._busy()
+
+    def _busy(self) -> bool:
+        self._handles = [handle for handle in self._handles if handle.busy()]
+        return self._calls > 0 or bool(self._handles)
+
+    def _enter(self) -> dist.ProcessGroup:
+        with self._lock:
+            inner = self.inner()
+            self._calls += 1
+        return inner
+
+    def _leave(self, result: Any) -> Any:
+        with self._lock:
+            self._calls -= 1
+            if isinstance(result, dist.Work):
+                result = Handle(result)
+                self._handles = [handle for handle in self._handles if handle.busy()]
+                self._handles.append(result)
+                self._given.add(result)
+        return result
 
     def __repr__(self) -> str:
         # torch names a group it no longer knows by its repr ("Process group {pg}
@@ -250,12 +377,13 @@ def _forward(name: str) -> Any:
     """``name`` of the inner gloo group: a method or a property, as ``ProcessGroup`` has it."""
 
     def forward(self: ClosableGroup, *args: Any, **kwargs: Any) -> Any:
-        inner = self.inner()  # held until the work is recorded: interrupt() never drops it mid-call
-        result = getattr(inner, name)(*args, **kwargs)
-        pending = self._pending
-        if pending is not None and isinstance(result, dist.Work):  # tracked: see track()
-            pending[:] = [work for work in pending if not work.is_completed()]
-            pending.append(result)
+        inner = self._enter()  # counted as in flight until its work is recorded
+        result = None
+        try:
+            result = getattr(inner, name)(*args, **kwargs)
+        finally:
+            del inner  # a traceback through this frame must not keep the group
+            result = self._leave(result)
         return result
 
     forward.__name__ = forward.__qualname__ = name

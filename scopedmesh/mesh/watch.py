@@ -562,7 +562,6 @@ class LivenessWatch:
             if not mesh.closed:
                 for group in mesh._table.groups():
                     if isinstance(group, closable.ClosableGroup):
-                        group.track()
                         group.settle()  # a held group left open would stall its peers
 
     def _run(self) -> None:

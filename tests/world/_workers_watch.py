@@ -84,7 +84,6 @@ def held_then_settled(rank: int, world: int, settle: bool) -> dict[str, Any]:
         mesh.create_groups("tp")
         (group,) = mesh._table.groups()
         assert isinstance(group, ClosableGroup)
-        group.track()
         handle = mesh.get_group_along_axis("tp")
         if rank == 1:
             work = dist.all_reduce(torch.ones(1), group=handle, async_op=True)
@@ -106,4 +105,77 @@ def held_then_settled(rank: int, world: int, settle: bool) -> dict[str, Any]:
             except RuntimeError as error:
                 out["second"] = str(error)[:300]
             store.set("held/second-done", "1")
+    return out
+
+
+def _killer(store: Any, victim: int, after: int, delay: float) -> None:
+    """Once every rank has finished ``after`` collectives, wait ``delay`` s, then SIGKILL
+    ``victim``: from outside it, at a moment it does not choose."""
+    import os
+    import signal
+
+    store.wait([f"inside/{victim}/pid"], timedelta(seconds=60))
+    pid = int(store.get(f"inside/{victim}/pid"))
+    deadline = time.monotonic() + 60.0
+    while int(store.add("inside/ready", 0)) < int(store.get("inside/world")):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
+    time.sleep(delay)
+    os.kill(pid, signal.SIGKILL)
+
+
+def killed_inside_a_collective(
+    rank: int, world: int, victim: int, delay: float, axis_size: int
+) -> dict[str, Any]:
+    """Every rank runs all_reduces back to back along a guarded mesh's ``dp`` axis
+    (``axis_size`` members per group) until a rank is SIGKILLed by a thread of rank
+    0 (rank 0 itself goes on with its collectives). Each survivor heals inside its
+    ``except`` block, as a training loop does, then runs 3 more all_reduces on the
+    re-formed mesh. Returns how its collective ended and what it agreed on.
+    """
+    import os
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh import LostRankError
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    store = _c10d.default_store()
+    store.set(f"inside/{rank}/pid", str(os.getpid()))
+    store.set("inside/world", str(world))
+    out: dict[str, Any] = {"rank": rank}
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    shape = (axis_size, world // axis_size)
+    mesh = watch.guard(ProcessGroupMesh(*shape, names=("dp", "tp"), timeout=60))
+    mesh.create_groups("dp")
+    if rank == 0:
+        args = (store, victim, 20, delay)
+        threading.Thread(target=_killer, args=args, daemon=True).start()
+    done = 0
+    try:
+        while True:
+            dist.all_reduce(torch.ones(1), group=mesh.get_group_along_axis("dp"))
+            done += 1
+            if done == 20:
+                store.add("inside/ready", 1)
+    except RuntimeError as error:
+        out["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        try:
+            mesh = watch.heal(mesh, "dp")  # inside the except block: the traceback lives on
+        except LostRankError as sat_out:
+            out["sat_out"] = str(sat_out)[:200]
+    out["lost"] = sorted(watch.lost())
+    if "sat_out" not in out:
+        out["shape"] = list(mesh.shape)
+        sums = []
+        for _ in range(3):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=mesh.get_group_along_axis("dp"))
+            sums.append(t.item())
+        out["sums"] = sums
+    mesh.close()
+    watch.close()
     return out

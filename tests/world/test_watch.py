@@ -341,3 +341,35 @@ def test_soak_200_heals_leave_nothing_behind() -> None:
         fds_left=fds_left,
         store_keys_left=keys_left,
     )
+
+
+# ------------------------------------------------------------------ a kill from outside
+
+
+@needs_interrupt
+@pytest.mark.parametrize("delay", [0.0, 0.013])
+def test_a_kill_inside_a_collective_of_4_releases_every_survivor(delay: float) -> None:
+    """Rank 3 of a 4-member dp group is SIGKILLed by another process (rank 0's thread)
+    while every rank runs all_reduces back to back. Its ring neighbours fail at once;
+    a rank waiting on a neighbour that failed out of the collective is released too
+    (a failed collective's work, kept alive by the traceback of the error being
+    handled, used to keep the neighbour's connections open: 60 s, issue 29). Each
+    survivor heals inside its ``except`` block; the group timeout is 60 s, so no
+    error may speak of a timeout."""
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(
+        _workers_watch.killed_inside_a_collective,
+        4,
+        args=(3, delay, 4),
+        allow_exit=[3],
+        timeout=240,
+    )
+    assert results[3] is None  # the victim reported nothing: it was killed
+    for rank in (0, 1, 2):
+        out = results[rank]
+        assert not any(word in out["error"].lower() for word in TIMEOUT_WORDS), out
+        assert out["lost"] == [3] and "sat_out" not in out, out
+        assert out["shape"] == [3, 1] and out["sums"] == [3.0, 3.0, 3.0], out
