@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import heal_random
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kills", type=int, help="kills per shape (20; against torchft: 6)")
+    parser.add_argument("--kills", type=int, help="kills per shape (20; against torchft: 10)")
     parser.add_argument(
         "--shapes", default="2x2x2,4x2,8x1", help="of " + ",".join(heal_random.SHAPES)
     )
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.against == "torchft":
         from benchmarks import heal_torchft
 
-        args.kills = 6 if args.kills is None else args.kills
+        args.kills = 10 if args.kills is None else args.kills
         args.timeout = 10.0 if args.timeout is None else args.timeout
         return heal_torchft.main(args)
     args.kills = 20 if args.kills is None else args.kills
