@@ -117,7 +117,7 @@ class Handle(dist.Work):
         """Drop gloo's work (and with it this handle's hold on the group's connections)."""
         self._work = None
 
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:  # noqa: B008  # torch's default
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:  # torch's default
         """Wait for the collective; on failure, let go of the work, then raise."""
         work = self._work
         if work is None:

@@ -15,6 +15,7 @@ hands an entry back to :meth:`GroupTable.release` once no scope holds it.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.diagnosis import Liveness
-from scopedmesh.errors import GroupFormationError
+from scopedmesh.errors import GroupFormationError, MeshClosedError
 
 __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
 
@@ -32,7 +33,8 @@ GroupKey = tuple[range | tuple[int, ...], str]  # (global ranks in group order, 
 
 
 class Entry:
-    """One group of a table; ``alive`` turns False when its last holder releases it.
+    """One group of a table; ``alive`` turns False when its last holder releases it, or
+    when the table is aborted (a cached lookup then goes the slow way, which refuses).
 
     ``holds`` counts the open scopes that hold it (see :class:`~scopedmesh.mesh.scope.Scope`).
     A non-member's answer is an ``Entry`` too (``group`` None), never registered.
@@ -60,16 +62,27 @@ class GroupTable:
     announces what it waits for and looks for a deadlock or a dead peer.
     ``liveness`` is the liveness watch guarding the mesh, if any: the one that
     says which peers are lost (:meth:`LivenessWatch.guard
-    <scopedmesh.mesh.watch.LivenessWatch.guard>` sets it).
+    <scopedmesh.mesh.watch.LivenessWatch.guard>` sets it). ``aborted`` says why
+    the table was aborted (:meth:`abort`), ``""`` while it is not.
     """
 
-    __slots__ = ("_entries", "_recorded", "grace", "live", "liveness", "lock", "ordered")
+    __slots__ = (
+        "_entries",
+        "_recorded",
+        "aborted",
+        "grace",
+        "live",
+        "liveness",
+        "lock",
+        "ordered",
+    )
 
     def __init__(self, grace: timedelta | None = None) -> None:
         self._entries: dict[GroupKey, Entry] = {}
         self._recorded = False  # whether this rank's process record is in the store
         self.grace = grace  # how long a member waits before it tells its peers what it waits for
         self.liveness: Liveness | None = None
+        self.aborted = ""  # why the table was aborted; "" while it is not
         self.lock = threading.RLock()
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
@@ -123,7 +136,37 @@ class GroupTable:
             raise formation_error(backend, what, ranks, timeout, error) from error
         entry = Entry(key, group, options)
         self._entries[key] = entry
+        if self.aborted:  # aborted while it formed: shut it down like the others
+            entry.alive = False
+            _interrupt(group, self.aborted)
         return entry
+
+    def abort(self, because: str) -> None:
+        """Refuse every group of the table from now on; shut down the gloo groups it has.
+
+        An abort is a state of the table, not an action on the groups of the
+        moment (as a trio cancel scope is cancelled, not its tasks): a group
+        formed earlier is shut down here (``ClosableGroup.interrupt``), one
+        forming now is shut down when its formation ends, and every later
+        request, from any scope over the table, raises :class:`MeshClosedError`
+        (so does a DeviceMesh made over one of them: ``Binding.check_open``).
+        ``because`` ends the sentence "... was shut down"; the first reason
+        stays. Safe from any thread: it takes no lock (a formation may hold
+        it) and never drops the last reference to a group in a collective.
+        """
+        if not self.aborted:
+            self.aborted = because
+        for entry in list(self._entries.values()):
+            entry.alive = False  # the mesh's cached lookups go the slow way, which refuses
+            _interrupt(entry.group, self.aborted)
+
+    def check_not_aborted(self, what: object) -> None:
+        """Raise :class:`MeshClosedError` naming ``what`` once the table is aborted."""
+        if self.aborted:
+            raise MeshClosedError(
+                f"{what} was aborted: its groups were shut down {self.aborted}. Close it and "
+                "re-form the survivors' mesh (LivenessWatch.heal, or agree_on_lost and reform)"
+            )
 
     def release(self, entries: Iterable[Entry]) -> list[Exception]:
         """Unregister ``entries`` and destroy their groups, in the order given; no communication.
@@ -159,6 +202,13 @@ class GroupTable:
         holds the lock (copying the registry is atomic under the GIL).
         """
         return [entry.group for entry in list(self._entries.values()) if entry.group is not None]
+
+
+def _interrupt(group: dist.ProcessGroup | None, because: str) -> None:
+    """Shut ``group`` down if it is a closable gloo group (others have no shutdown)."""
+    closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded with the first gloo group
+    if closable is not None and isinstance(group, closable.ClosableGroup):
+        group.interrupt(because)
 
 
 # Words of torch's store and gloo's transport when members did not meet in time.

@@ -266,7 +266,7 @@ class ProcessGroupMesh:
             scope.warn_if_dropped_open(self)
 
     def __repr__(self) -> str:
-        state = "closed" if self._scope.closed else "open"
+        state = "closed" if self._scope.closed else "aborted" if self._table.aborted else "open"
         kind = "sub-mesh" if self._scope.parent is not None else "mesh"
         names = f", names={self._layout.names}" if self._layout.names else ""
         return (
@@ -427,6 +427,7 @@ class ProcessGroupMesh:
         self, axis: Axes, indices: object, backend: str | None, pg_options: Any
     ) -> dist.ProcessGroup | None:
         self._scope.check_open(self)
+        self._table.check_not_aborted(self)
         ranks = self._members(axis, indices)
         backend_name = self._backend_name(check_backend(backend, "backend"))
         options = self._pg_options if pg_options is None else pg_options
@@ -458,6 +459,7 @@ class ProcessGroupMesh:
                     f"pg_options differ from those of the existing group over ranks {list(ranks)} "
                     f"on {backend_name!r}; a mesh keeps one group per (ranks, backend)"
                 )
+        self._table.check_not_aborted(self)  # aborted while the group formed
         if indices is None and backend is None and pg_options is None:
             try:
                 self._by_axis[axis] = entry

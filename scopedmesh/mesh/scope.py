@@ -211,7 +211,16 @@ class Binding:
         return self._scope.closed
 
     def check_open(self) -> None:
-        """Raise :class:`MeshClosedError`, naming the mesh, once the scope has closed."""
+        """Raise :class:`MeshClosedError`, naming the mesh, once the scope has closed or
+        its group table was aborted (a liveness watch learned of a death)."""
+        aborted = self._scope.table.aborted
+        if aborted and not self._scope.closed:
+            owner = self._owner()
+            raise MeshClosedError(
+                f"this DeviceMesh belongs to {'a mesh' if owner is None else repr(owner)}, "
+                f"whose groups were shut down {aborted}; re-form the survivors' mesh and "
+                "make new DeviceMeshes, DTensors and FSDP2 modules from it"
+            )
         if self._scope.closed:
             owner = self._owner()
             raise MeshClosedError(

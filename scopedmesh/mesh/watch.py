@@ -39,16 +39,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
-import select
+import selectors
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
@@ -148,14 +150,17 @@ def key_names(prefix: str, ranks: Iterable[int], tags: Iterable[str]) -> list[st
     >>> key_names("scopedmesh-watch/1", [0], ["t"])  # doctest: +NORMALIZE_WHITESPACE
     ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/deaths', 'scopedmesh-watch/1/lost',
      'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/agree/t/decision',
-     'scopedmesh-watch/1/addr/0', 'scopedmesh-watch/1/lost/0', 'scopedmesh-watch/1/agree/t/alive/0']
+     'scopedmesh-watch/1/agree/t/accounted', 'scopedmesh-watch/1/addr/0',
+     'scopedmesh-watch/1/lost/0', 'scopedmesh-watch/1/agree/t/alive/0',
+     'scopedmesh-watch/1/agree/t/in/0']
     """
     tags = [tag for tag in tags if tag]
     keys = [f"{prefix}/{name}" for name in ("closed", "deaths", "lost", "tags")]
-    keys += [f"{prefix}/agree/{tag}/decision" for tag in tags]
+    for tag in tags:
+        keys += [f"{prefix}/agree/{tag}/{name}" for name in ("decision", "accounted")]
     for rank in ranks:
         keys += [f"{prefix}/addr/{rank}", f"{prefix}/lost/{rank}"]
-        keys += [f"{prefix}/agree/{tag}/alive/{rank}" for tag in tags]
+        keys += [f"{prefix}/agree/{tag}/{kind}/{rank}" for tag in tags for kind in ("alive", "in")]
     return keys
 
 
@@ -218,7 +223,10 @@ class LivenessWatch:
         self._aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
         self._meshes: tuple[ProcessGroupMesh, ...] = ()
         self._events = 0
-        self._failure: BaseException | None = None
+        self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
+        self._warned = False  # whether guard() has checked that groups are closable
+        self._stopped = False  # whether the thread ended other than by close()
+        self._relink_due: float | None = None  # since when a relink waits for the store
         self._listener = socket.create_server((host or _route_address(), 0), backlog=len(members))
         self._wake_r, self._wake_w = socket.socketpair()
         self._peers: dict[socket.socket, list[Any]] = {}  # socket -> [rank or None, buffer]
@@ -252,7 +260,11 @@ class LivenessWatch:
     # ------------------------------------------------------------------ queries
 
     def lost(self) -> frozenset[int]:
-        """The members this process has learned are dead (never shrinks)."""
+        """The members this process has learned are dead (never shrinks).
+
+        Raises ``RuntimeError`` naming what happened if the watch's thread failed.
+        """
+        self._check_thread()
         return self._lost
 
     def is_alive(self, rank: int) -> bool:
@@ -267,6 +279,7 @@ class LivenessWatch:
             raise ValueError(
                 f"rank must be one of this watch's ranks {list(self.ranks)}, got {rank}"
             )
+        self._check_thread()
         return rank not in self._lost
 
     def why_lost(self, rank: int) -> str | None:
@@ -312,6 +325,8 @@ class LivenessWatch:
         if not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
         self._check_open()
+        self._check_thread()
+        self._warn_if_not_closable()
         self._meshes = (*[m for m in self._meshes if not m.closed], mesh)
         mesh._table.liveness = self
         self._track()
@@ -345,6 +360,7 @@ class LivenessWatch:
         the ranks still unaccounted for.
         """
         self._check_open()
+        self._check_thread()
         if mesh is not None and not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh or None, got {shown(mesh)}")
         limit = self._timeout if timeout is None else check_timeout(timeout)
@@ -360,39 +376,35 @@ class LivenessWatch:
                 f"mesh holds ranks {unwatched} that this watch does not watch {list(self.ranks)}"
             )
         self._events += 1
-        store, base = self._store, f"{self.prefix}/agree/{tag}"
-        decision_key = f"{base}/decision"
-        store.append(f"{self.prefix}/tags", tag + "\n")
-        store.set(f"{base}/alive/{self.rank}", "1")
+        self._store.append(f"{self.prefix}/tags", tag + "\n")
+        agreement = Agreement(self._store, f"{self.prefix}/agree/{tag}", members, self.rank)
+        agreement.check_in()
         deadline = time.monotonic() + limit.total_seconds()
-        registered = {self.rank}
         while True:
-            if store.check([decision_key]):
-                decision = store.get(decision_key).decode()
-                break
-            registered |= {
-                r for r in members if r not in registered and store.check([f"{base}/alive/{r}"])
-            }
-            lost = self._lost.intersection(members)
-            missing = [r for r in members if r not in registered and r not in lost]
-            if not missing:
-                proposal = "lost:" + ",".join(str(r) for r in sorted(lost))
-                decision = store.compare_set(decision_key, "", proposal).decode()
+            self._check_thread()
+            decision = agreement.poll(self._lost, self._read_deaths)
+            if decision is not None:
                 break
             if time.monotonic() >= deadline:
+                missing = agreement.missing(self._lost)
                 raise TimeoutError(
                     f"agreement {tag!r}: ranks {missing} neither checked in nor were declared "
                     f"lost within {limit.total_seconds():g} s; they are alive (their sockets "
                     "are open): every survivor must call agree with the same tag"
                 )
             time.sleep(self._interval)
-        agreed = frozenset(int(r) for r in decision.removeprefix("lost:").split(",") if r)
-        if self.rank in agreed:
+        if self.rank in decision:
             raise LostRankError(
-                f"rank {self.rank} was declared lost (lost ranks {sorted(agreed)}): its "
+                f"rank {self.rank} was declared lost (lost ranks {sorted(decision)}): its "
                 "connections closed; it must not join the re-formed mesh"
             )
-        return agreed
+        return decision
+
+    def _read_deaths(self) -> frozenset[int]:
+        """Every death the store lists, learned here (one ``get``); the lost set after."""
+        text = _peek(self._store, f"{self.prefix}/lost") or ""
+        self._learn(_deaths(text))
+        return self._lost
 
     def heal(
         self, mesh: ProcessGroupMesh, axis: Axis, *, tag: str | None = None
@@ -474,25 +486,48 @@ class LivenessWatch:
         self._succ = (rank, conn)
 
     def _relink(self) -> None:
-        """Watch the next alive member after this one (thread only)."""
+        """Watch the next alive member after this one (thread only).
+
+        A store error on the way is survived: the link is tried again every
+        interval, and reported (:meth:`_check_thread`) once it has failed for
+        the watch's ``timeout``.
+        """
+        if self._succ is not None:
+            self._succ[1].close()
         self._succ = None
+        first = self._relink_due if self._relink_due is not None else time.monotonic()
+        try:
+            self._link_next()
+            self._relink_due = None
+        except OSError:
+            raise
+        except Exception as error:  # the store: try again next interval
+            self._relink_due = first
+            if time.monotonic() - first >= self._timeout.total_seconds():
+                self._failure = ("could not relink the ring, the store failing", error)
+
+    def _link_next(self) -> None:
         candidate = self._next_after(self.rank)
         while candidate is not None:
             address = _peek(self._thread_store, self._key("addr", candidate))
             if address is None:
                 self._left.add(candidate)  # closed its watch cleanly
             else:
+                conn = None
                 try:
                     conn = self._connect(candidate, address)
                     if conn is not None:
                         conn.sendall(f"H{self.rank}\n".encode())
-                        self._succ = (candidate, conn)
+                        self._succ, conn = (candidate, conn), None
                         return
                 except OSError as error:  # refused (nobody listens there), or no answer
                     if self._thread_store.check([self._key("addr", candidate)]):
                         self._declare(candidate, _reason(error))
                     else:
                         self._left.add(candidate)
+                finally:
+                    if conn is not None:
+                        conn.close()
             candidate = self._next_after(self.rank)
 
     def _connect(self, rank: int, address: str) -> socket.socket | None:
@@ -543,12 +578,8 @@ class LivenessWatch:
                 self._abort(mesh, hit)
 
     def _abort(self, mesh: ProcessGroupMesh, dead: Iterable[int]) -> None:
-        closable = sys.modules.get("scopedmesh.c10d.closable")
         dead = sorted(dead)
-        because = f"when the liveness watch learned that rank(s) {dead} died"
-        for group in mesh._table.groups():
-            if closable is not None and isinstance(group, closable.ClosableGroup):
-                group.interrupt(because)
+        mesh._table.abort(f"when the liveness watch learned that rank(s) {dead} died")
         now = time.time()
         for rank in dead:
             self._aborted.setdefault(rank, now)
@@ -565,34 +596,89 @@ class LivenessWatch:
                         group.settle()  # a held group left open would stall its peers
 
     def _run(self) -> None:
+        """The thread: read the ring's sockets, poll the store; any failure is recorded
+        for the next query (:meth:`_check_thread`), never dropped."""
+        try:
+            with selectors.DefaultSelector() as selector:  # epoll: any number of fds
+                self._loop(selector)
+        except BaseException as error:  # the thread ends: say so in the next query
+            self._failure = ("stopped", error)
+            self._stopped = True
+        finally:
+            self._shut_sockets(goodbye=True)
+
+    def _loop(self, selector: selectors.BaseSelector) -> None:
         seen = 0
         next_poll = time.monotonic()
         while True:
-            watched = [self._listener, self._wake_r, *self._peers]
-            if self._succ is not None:
-                watched.append(self._succ[1])
             wait = max(0.0, next_poll - time.monotonic())
+            readable = self._select(selector, wait)
+            if self._wake_r in readable:
+                return
             try:
-                readable, _, _ = select.select(watched, [], [], wait)
-                if self._wake_r in readable:
-                    break
                 for sock in readable:
                     self._on_readable(sock)
-                if time.monotonic() >= next_poll:
-                    next_poll = time.monotonic() + self._interval
-                    self._track()
-                    count = self._thread_store.add(f"{self.prefix}/deaths", 0)
-                    if count != seen:
-                        seen = count
-                        text = self._thread_store.get(f"{self.prefix}/lost").decode()
-                        self._learn(_deaths(text))
-                        if self._succ is not None and self._succ[0] in self._lost:
-                            self._succ[1].close()
-                            self._relink()
-            except Exception as error:  # keep watching; the store may come back
-                self._failure = error
+                if time.monotonic() < next_poll:
+                    continue
+                next_poll = time.monotonic() + self._interval
+                self._track()
+                if self._relink_due is not None:
+                    self._relink()
+                count = self._thread_store.add(f"{self.prefix}/deaths", 0)
+                if count != seen:
+                    seen = count
+                    text = self._thread_store.get(f"{self.prefix}/lost").decode()
+                    self._learn(_deaths(text))
+                    if self._succ is not None and self._succ[0] in self._lost:
+                        self._relink()
+            except Exception as error:  # keep watching (the store may come back); say so
+                self._failure = ("failed while watching (it goes on)", error)
                 time.sleep(self._interval)
-        self._shut_sockets(goodbye=True)
+
+    def _select(self, selector: selectors.BaseSelector, wait: float) -> list[Any]:
+        """The sockets readable within ``wait`` seconds, the selector kept to the live set."""
+        watched: set[Any] = {self._listener, self._wake_r, *self._peers}
+        if self._succ is not None:
+            watched.add(self._succ[1])
+        for key in list(selector.get_map().values()):
+            if key.fileobj not in watched:
+                selector.unregister(key.fileobj)  # closed ones too: found by object
+        registered = {key.fileobj for key in selector.get_map().values()}
+        for sock in watched.difference(registered):
+            selector.register(sock, selectors.EVENT_READ)
+        return [key.fileobj for key, _ in selector.select(wait)]
+
+    def _warn_if_not_closable(self) -> None:
+        """Once per watch, on a torch that cannot make closable gloo groups: say what is lost."""
+        if self._warned:
+            return
+        self._warned = True
+        from scopedmesh.c10d import closable  # registers the backend, as a gloo group would
+
+        if not closable.supported():
+            warnings.warn(
+                f"LivenessWatch.guard: torch {torch.__version__} cannot make closable gloo "
+                "groups, so the watch cannot abort a collective in flight: when a rank dies, "
+                "a rank blocked in a collective with healthy peers waits for that "
+                "collective's timeout before it raises (deaths are still learned, agreed on "
+                "and healed; give guarded meshes a short timeout)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _check_thread(self) -> None:
+        """Raise what broke the watch's thread, naming it: always once it has stopped,
+        once per failure while it goes on."""
+        failure = self._failure
+        if failure is None or self._closed:
+            return
+        if not self._stopped:
+            self._failure = None
+        what, error = failure
+        raise RuntimeError(
+            f"the liveness watch of rank {self.rank}: its thread {what}: "
+            f"{type(error).__name__}: {error}; deaths may have gone unseen"
+        ) from error
 
     def _on_readable(self, sock: socket.socket) -> None:
         if sock is self._listener:
@@ -620,7 +706,10 @@ class LivenessWatch:
         if data and not said_bye:
             return
         sock.close()
-        if not succ:
+        if succ:  # relinked below, or (the store failing) at the next interval
+            self._succ = None
+            self._relink_due = self._relink_due or time.monotonic()
+        else:
             del self._peers[sock]
         if rank is not None:
             if said_bye or not self._thread_store.check([self._key("addr", rank)]):
@@ -654,3 +743,71 @@ class LivenessWatch:
             tags = store.get(f"{prefix}/tags").decode().split("\n")
         for key in key_names(prefix, self.ranks, tags):
             store.delete_key(key)
+
+
+class Agreement:
+    """One agreement's store protocol: **two store requests per member per poll**.
+
+    Every member is accounted for once, in the slot ``<base>/in/<rank>``
+    (``compare_set``): by itself when it checks in, or, once it is known lost,
+    by the first survivor to say so; whoever fills a slot adds 1 to the counter
+    ``<base>/accounted``. A poll asks whether the decision is written (one
+    ``check``) and reads the counter (one ``add`` of 0): 2 requests per member
+    per interval, 16 for 8 members and 2,048 for 1,024, where checking each
+    missing member cost up to N per member (8 x 8, 1,024 x 1,024). A lost
+    member adds one ``compare_set`` per survivor that learns of it (and one
+    ``add`` for the first), once; the decision costs the member that writes it
+    a ``get`` of the deaths and a ``compare_set``, the others one ``get``.
+
+    >>> store = dist.HashStore()
+    >>> one = Agreement(store, "t", [0], 0)
+    >>> one.check_in(); one.poll(frozenset(), frozenset)
+    frozenset()
+    """
+
+    def __init__(self, store: Any, base: str, members: list[int], rank: int) -> None:
+        self.store, self.base, self.members, self.rank = store, base, members, rank
+        self._accounted: set[int] = set()  # members whose slot this rank tried to fill
+        self._decision = f"{base}/decision"
+
+    def _account(self, rank: int, value: str) -> str:
+        """Fill ``rank``'s slot with ``value`` unless it is filled; the value it holds."""
+        self._accounted.add(rank)
+        held: str = self.store.compare_set(f"{self.base}/in/{rank}", "", value).decode()
+        if held == value:
+            self.store.add(f"{self.base}/accounted", 1)
+        return held
+
+    def check_in(self) -> None:
+        """Account for this rank as alive (a survivor that saw it lost may have been first)."""
+        self._account(self.rank, "alive")
+
+    def poll(
+        self, lost: frozenset[int], read_deaths: Callable[[], frozenset[int]]
+    ) -> frozenset[int] | None:
+        """The decision, once every member is accounted for; None until then."""
+        store = self.store
+        if store.check([self._decision]):
+            return _decision(store.get(self._decision).decode())
+        for rank in sorted(lost.intersection(self.members).difference(self._accounted)):
+            self._account(rank, f"lost:{self.rank}")
+        if int(store.add(f"{self.base}/accounted", 0)) < len(self.members):
+            return None
+        # Every member is accounted for; a member another survivor accounted as lost is
+        # in the store's deaths: read them, so that the proposal holds every one.
+        known = read_deaths().intersection(self.members)
+        proposal = "lost:" + ",".join(str(r) for r in sorted(known))
+        return _decision(store.compare_set(self._decision, "", proposal).decode())
+
+    def missing(self, lost: frozenset[int]) -> list[int]:
+        """The members neither checked in nor known lost (one ``check`` each: for errors)."""
+        return [
+            r
+            for r in self.members
+            if r not in lost and not self.store.check([f"{self.base}/in/{r}"])
+        ]
+
+
+def _decision(text: str) -> frozenset[int]:
+    """The lost set a decision holds (``"lost:3,5"``)."""
+    return frozenset(int(r) for r in text.removeprefix("lost:").split(",") if r)

@@ -179,3 +179,59 @@ def killed_inside_a_collective(
     mesh.close()
     watch.close()
     return out
+
+
+def refused_after_the_abort(rank: int, world: int) -> dict[str, Any]:
+    """A guarded 2 x 2 (dp, tp) mesh whose rank 3 SIGKILLs itself once every rank has
+    formed its dp group and made a DeviceMesh. Once its watch has learned of the death,
+    each survivor asks for what the mesh has and has not made yet; every answer must be
+    ``MeshClosedError``. Then it heals: ranks 0 and 1 go on in a 1 x 2 mesh."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh import LostRankError
+    from scopedmesh.errors import MeshClosedError
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    store = _c10d.default_store()
+    out: dict[str, Any] = {"rank": rank}
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    mesh = watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=60))
+    dp = mesh.get_group_along_axis("dp")
+    dist.all_reduce(torch.ones(1), group=dp)
+    device_mesh = mesh.to_device_mesh("cpu", axes=("dp",))
+    _meet(store, "refused/ready", world)
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 30.0
+    while 3 not in watch.lost() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    out["lost"] = sorted(watch.lost())
+    attempts = {
+        "tp, first requested now": lambda: mesh.get_group_along_axis("tp"),
+        "dp, formed before": lambda: dist.all_reduce(torch.ones(1), group=dp),
+        "dp, asked again": lambda: mesh.get_group_along_axis("dp"),
+        "dp + tp": lambda: mesh.get_group_along_axis(("dp", "tp")),
+        "a sub-mesh's tp": lambda: mesh.submesh("tp").get_group_along_axis("tp"),
+        "the DeviceMesh's group": lambda: device_mesh.get_group("dp"),
+    }
+    out["answers"] = {}
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+            out["answers"][what] = "served"
+        except Exception as error:
+            out["answers"][what] = f"{type(error).__name__}: {str(error)[:400]}"
+    try:
+        mesh = watch.heal(mesh, "dp")
+        t = torch.ones(1)
+        dist.all_reduce(t, group=mesh.get_group_along_axis("tp"))
+        out["healed"] = (list(mesh.shape), t.item())
+    except LostRankError:
+        out["healed"] = "sat out"
+    mesh.close()
+    watch.close()
+    return out

@@ -373,3 +373,28 @@ def test_a_kill_inside_a_collective_of_4_releases_every_survivor(delay: float) -
         assert not any(word in out["error"].lower() for word in TIMEOUT_WORDS), out
         assert out["lost"] == [3] and "sat_out" not in out, out
         assert out["shape"] == [3, 1] and out["sums"] == [3.0, 3.0, 3.0], out
+
+
+# ------------------------------------------------------------------ the abort is a state
+
+
+@needs_interrupt
+def test_an_aborted_mesh_refuses_every_group_formed_before_or_first_requested_after() -> None:
+    """Rank 3 of a guarded 2 x 2 mesh dies. On ranks 0 and 1 the tp group, first
+    requested after the watch learned of the death, is refused (it used to form and
+    work); so are the dp group formed before, multi-axis groups, a sub-mesh's and a
+    DeviceMesh's: each with MeshClosedError. The survivors then heal as usual."""
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_watch.refused_after_the_abort, 4, allow_exit=[3], timeout=240)
+    assert results[3] is None
+    for rank in (0, 1, 2):
+        out = results[rank]
+        assert out["lost"] == [3], out
+        for what, answer in out["answers"].items():
+            assert answer.startswith("MeshClosedError"), (rank, what, answer)
+            assert "rank(s) [3] died" in answer, (rank, what, answer)
+    assert results[0]["healed"] == results[1]["healed"] == ([1, 2], 2.0)
+    assert results[2]["healed"] == "sat out"
