@@ -94,6 +94,11 @@ def _route_address() -> str:
         return "127.0.0.1"
 
 
+def _time_left(deadline: float) -> timedelta:
+    """What is left until ``deadline`` (``time.monotonic()``), at least a millisecond."""
+    return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
 _ABSENT = "\x00absent"  # no key holds this value: compare_set answers it for a missing key
 
 
@@ -141,6 +146,25 @@ def _deaths(text: str) -> dict[int, str]:
     """The store's list of deaths (``"3:closed,5:unreachable,"``) as rank -> reason."""
     entries = (item.partition(":") for item in text.split(",") if item)
     return {int(rank): reason for rank, _, reason in entries}
+
+
+def _check_members(ranks: Iterable[int] | None, host: object, store: object) -> list[int]:
+    """The watch's members (sorted global ranks, this one among them), or an error naming
+    the bad argument (``host`` and ``store`` are checked here too)."""
+    if host is not None and (not isinstance(host, str) or not host):
+        raise TypeError(f"host must be a non-empty str or None, got {shown(host)}")
+    if store is not None and not isinstance(store, dist.Store):  # type: ignore[attr-defined]
+        raise TypeError(f"store must be a torch.distributed Store or None, got {shown(store)}")
+    world = dist.get_world_size()
+    members = list(range(world)) if ranks is None else _sorted_ranks(ranks)
+    if not members:
+        raise ValueError("ranks must hold at least one rank")
+    if members[-1] >= world:
+        raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
+    rank = dist.get_rank()
+    if rank not in members:
+        raise ValueError(f"this rank ({rank}) must be one of ranks {shown(members)}")
+    return members
 
 
 def key_names(prefix: str, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
@@ -196,24 +220,12 @@ class LivenessWatch:
         self._closed = True  # until the thread runs: close() has nothing to stop
         self._interval = _check_interval(interval)
         self._timeout = check_timeout(timeout)
-        if host is not None and (not isinstance(host, str) or not host):
-            raise TypeError(f"host must be a non-empty str or None, got {shown(host)}")
-        if store is not None and not isinstance(store, dist.Store):  # type: ignore[attr-defined]
-            raise TypeError(f"store must be a torch.distributed Store or None, got {shown(store)}")
-        world = dist.get_world_size()
-        members = list(range(world)) if ranks is None else _sorted_ranks(ranks)
-        if not members:
-            raise ValueError("ranks must hold at least one rank")
-        if members[-1] >= world:
-            raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
+        members = _check_members(ranks, host, store)
         self.rank = dist.get_rank()
-        if self.rank not in members:
-            raise ValueError(f"this rank ({self.rank}) must be one of ranks {shown(members)}")
         self.ranks: tuple[int, ...] = tuple(members)
         base: Any = store if store is not None else _c10d.default_store()
         self._store: Any = base.clone()  # the caller's thread
         self._thread_store: Any = base.clone()  # the watch thread's: never behind a caller's wait
-        seconds = self._timeout.total_seconds()
         self._store.set_timeout(self._timeout)
         self._thread_store.set_timeout(self._timeout)
         self.prefix = f"{ROOT}/{self._store.add(f'{ROOT}/count/{self.rank}', 1)}"
@@ -233,19 +245,7 @@ class LivenessWatch:
         self._succ: tuple[int, socket.socket] | None = None
         self._left: set[int] = set()
         try:
-            address = "{}:{}".format(*self._listener.getsockname()[:2])
-            self._store.set(self._key("addr", self.rank), address)
-            successor = self._next_after(self.rank)
-            if successor is not None:
-                try:
-                    self._store.wait([self._key("addr", successor)], self._timeout)
-                except Exception as error:
-                    raise TimeoutError(
-                        f"liveness watch: rank {successor} (this rank's successor) published no "
-                        f"address within {seconds:g} s; start a LivenessWatch on every rank of "
-                        f"{list(members)}, in the same order"
-                    ) from error
-                self._link(successor)
+            self._join_ring()
         except BaseException:
             self._shut_sockets(goodbye=False)
             with contextlib.suppress(Exception):
@@ -256,6 +256,23 @@ class LivenessWatch:
             target=self._run, name=f"scopedmesh-liveness-{self.rank}", daemon=True
         )
         self._thread.start()
+
+    def _join_ring(self) -> None:
+        """Publish this rank's address, then link to its successor once it has published."""
+        address = "{}:{}".format(*self._listener.getsockname()[:2])
+        self._store.set(self._key("addr", self.rank), address)
+        successor = self._next_after(self.rank)
+        if successor is None:
+            return
+        try:
+            self._store.wait([self._key("addr", successor)], self._timeout)
+        except Exception as error:
+            raise TimeoutError(
+                f"liveness watch: rank {successor} (this rank's successor) published no "
+                f"address within {self._timeout.total_seconds():g} s; start a LivenessWatch "
+                f"on every rank of {list(self.ranks)}, in the same order"
+            ) from error
+        self._link(successor)
 
     # ------------------------------------------------------------------ queries
 
@@ -367,14 +384,7 @@ class LivenessWatch:
         if tag is None:
             tag = f"event{self._events}"
         _check_tag(tag)
-        members = sorted(mesh.layout.ranks) if mesh is not None else list(self.ranks)
-        if self.rank not in members:
-            raise ValueError(f"this rank ({self.rank}) is not one of the mesh's ranks {members}")
-        unwatched = sorted(set(members).difference(self.ranks))
-        if unwatched:
-            raise ValueError(
-                f"mesh holds ranks {unwatched} that this watch does not watch {list(self.ranks)}"
-            )
+        members = self._members_of(mesh)
         self._events += 1
         self._store.append(f"{self.prefix}/tags", tag + "\n")
         agreement = Agreement(self._store, f"{self.prefix}/agree/{tag}", members, self.rank)
@@ -399,6 +409,18 @@ class LivenessWatch:
                 "connections closed; it must not join the re-formed mesh"
             )
         return decision
+
+    def _members_of(self, mesh: ProcessGroupMesh | None) -> list[int]:
+        """The ranks an agreement over ``mesh`` (None: the watch's) settles, or an error."""
+        members = sorted(mesh.layout.ranks) if mesh is not None else list(self.ranks)
+        if self.rank not in members:
+            raise ValueError(f"this rank ({self.rank}) is not one of the mesh's ranks {members}")
+        unwatched = sorted(set(members).difference(self.ranks))
+        if unwatched:
+            raise ValueError(
+                f"mesh holds ranks {unwatched} that this watch does not watch {list(self.ranks)}"
+            )
+        return members
 
     def _read_deaths(self) -> frozenset[int]:
         """Every death the store lists, learned here (one ``get``); the lost set after."""
@@ -428,27 +450,45 @@ class LivenessWatch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        """Close; a failure to close after an exception is a warning, never a replacement."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as error:
+            warnings.warn(
+                f"closing {self!r} after {type(exc).__name__} also failed: {error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def close(self) -> None:
         """Stop: say goodbye to the peers, join the thread, close the sockets; idempotent.
 
         The last member to close deletes the watch's keys (a per-rank counter
         of watches, ``<root>/count/<rank>``, stays, as group generations do).
+        Takes at most the watch's ``timeout`` in all, even when the store's host
+        is gone: each store request is given what is left of it, and the
+        clean-up is skipped (with its error raised) once it has run out.
         """
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        store = self._store
         with contextlib.suppress(Exception):
-            self._store.delete_key(self._key("addr", self.rank))  # a late connector sees "left"
+            store.set_timeout(_time_left(deadline))
+            store.delete_key(self._key("addr", self.rank))  # a late connector sees "left"
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
-        self._thread.join(self._timeout.total_seconds())
+        self._thread.join(_time_left(deadline).total_seconds())
         for mesh in self._meshes:
             if mesh._table.liveness is self:
                 mesh._table.liveness = None
         self._meshes = ()
         try:
+            store.set_timeout(_time_left(deadline))
             self._clean_up()
         finally:
             self._store = self._thread_store = None  # closes both connections

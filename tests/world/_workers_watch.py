@@ -129,8 +129,8 @@ def killed_inside_a_collective(
     rank: int, world: int, victim: int, delay: float, axis_size: int
 ) -> dict[str, Any]:
     """Every rank runs all_reduces back to back along a guarded mesh's ``dp`` axis
-    (``axis_size`` members per group) until a rank is SIGKILLed by a thread of rank
-    0 (rank 0 itself goes on with its collectives). Each survivor heals inside its
+    (``axis_size`` members per group) until ``victim`` is SIGKILLed by a thread of
+    rank 0 (rank 1 if the victim is 0), which itself goes on with its collectives. Each survivor heals inside its
     ``except`` block, as a training loop does, then runs 3 more all_reduces on the
     re-formed mesh. Returns how its collective ended and what it agreed on.
     """
@@ -151,7 +151,7 @@ def killed_inside_a_collective(
     shape = (axis_size, world // axis_size)
     mesh = watch.guard(ProcessGroupMesh(*shape, names=("dp", "tp"), timeout=60))
     mesh.create_groups("dp")
-    if rank == 0:
+    if rank == (1 if victim == 0 else 0):
         args = (store, victim, 20, delay)
         threading.Thread(target=_killer, args=args, daemon=True).start()
     done = 0
@@ -193,7 +193,6 @@ def refused_after_the_abort(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from scopedmesh import LostRankError
-    from scopedmesh.errors import MeshClosedError
     from scopedmesh.mesh import ProcessGroupMesh
 
     store = _c10d.default_store()
@@ -233,5 +232,87 @@ def refused_after_the_abort(rank: int, world: int) -> dict[str, Any]:
     except LostRankError:
         out["healed"] = "sat out"
     mesh.close()
+    watch.close()
+    return out
+
+
+class FailingStore:
+    """A store whose ``method`` raises for its next ``failures`` calls once armed."""
+
+    def __init__(self, store: Any, method: str, failures: int) -> None:
+        self.store, self.method, self.failures, self.armed = store, method, failures, False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if name != self.method or not self.armed or self.failures <= 0:
+            return attr
+
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            self.failures -= 1
+            raise RuntimeError(f"injected store failure in {name}")
+
+        return fail
+
+
+def _wait_lost(watch: LivenessWatch, rank: int, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while rank not in watch._lost and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return sorted(watch._lost)
+
+
+def many_fds_then_a_death(rank: int, world: int, fds: int) -> dict[str, Any]:
+    """Every rank holds ``fds`` extra open descriptors; the last rank SIGKILLs itself."""
+    import os
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < fds + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, fds + 1024), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(fds)]
+    store = _c10d.default_store()
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    out: dict[str, Any] = {"rank": rank, "highest_fd": max(held)}
+    _meet(store, "fds/linked", world)
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out["lost"] = _wait_lost(watch, world - 1, 15.0)
+    out["lost_call"] = sorted(watch.lost())  # raises if the thread failed
+    watch.close()
+    for fd in held:
+        os.close(fd)
+    return out
+
+
+def store_fails_while_relinking(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 dies; rank 0, whose successor it was, relinks through a store that fails
+    its next 3 ``compare_set`` calls. Rank 0 must still link to rank 2, learn of the
+    death, and say once (in ``lost()``) that its thread hit the store's error."""
+    import os
+    import signal
+
+    store = _c10d.default_store()
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    out: dict[str, Any] = {"rank": rank}
+    faulty = FailingStore(watch._thread_store, "compare_set", 3)
+    if rank == 0:
+        watch._thread_store = faulty
+    _meet(store, "relink/linked", world)
+    faulty.armed = True
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out["lost"] = _wait_lost(watch, 1, 15.0)
+    deadline = time.monotonic() + 15.0
+    while (watch._succ is None or watch._succ[0] != 2) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    out["successor"] = None if watch._succ is None else watch._succ[0]
+    out["failures_left"] = faulty.failures
+    try:
+        out["first_lost"] = sorted(watch.lost())
+    except RuntimeError as error:
+        out["first_lost"] = str(error)
+    out["second_lost"] = sorted(watch.lost())
+    _meet(store, "relink/done", world - 1)
     watch.close()
     return out

@@ -55,3 +55,56 @@ def test_scopedmesh_per_member_cost_does_not_grow_with_the_group(table: Any) -> 
     per_member = [table["scopedmesh"][n]["own"] / WORLD for n in SIZES]
     assert all(6 < cost <= 6.5 for cost in per_member), per_member
     assert per_member == sorted(per_member, reverse=True)
+
+
+# ------------------------------------------------------------------ the watch's agreement
+
+
+class _Counting:
+    """A store that counts the requests made through it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.requests += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("members", [8, 1024])
+def test_an_agreement_poll_asks_2_requests_per_member_whatever_the_size(members: int) -> None:
+    """Each waiting member's poll is a ``check`` of the decision and a read of the
+    counter: 2 requests, so 2N per interval for N members (16 for 8, 2,048 for 1,024);
+    it was up to N per member (a ``check`` per missing member), N squared in all."""
+    import torch.distributed as dist
+
+    from scopedmesh.mesh.watch import Agreement
+
+    store = dist.HashStore()
+    ranks = list(range(members))
+    waiting = _Counting(store)
+    mine = Agreement(waiting, "t", ranks, 0)
+    mine.check_in()
+    for rank in ranks[1:-1]:  # every member but the last has checked in
+        Agreement(store, "t", ranks, rank).check_in()
+    waiting.requests = 0
+    polls = 5
+    for _ in range(polls):
+        assert mine.poll(frozenset(), frozenset) is None
+    assert waiting.requests == 2 * polls
+    # The last member is lost: the first survivor to learn it accounts for it (a
+    # compare_set and an add, once), and the next poll decides (a get of the
+    # deaths is the caller's read_deaths; the decision is one compare_set).
+    waiting.requests = 0
+    lost = frozenset({members - 1})
+    assert mine.poll(lost, lambda: lost) == lost
+    assert waiting.requests == 2 + 2 + 1
+    for rank in ranks[1:-1]:  # the others read the decision: 2 requests each
+        other = _Counting(store)
+        assert Agreement(other, "t", ranks, rank).poll(lost, lambda: lost) == lost
+        assert other.requests == 2

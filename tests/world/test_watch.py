@@ -398,3 +398,128 @@ def test_an_aborted_mesh_refuses_every_group_formed_before_or_first_requested_af
             assert "rank(s) [3] died" in answer, (rank, what, answer)
     assert results[0]["healed"] == results[1]["healed"] == ([1, 2], 2.0)
     assert results[2]["healed"] == "sat out"
+
+
+# ------------------------------------------------------------------ never silent
+
+
+def test_a_watch_with_1100_open_fds_learns_of_a_death() -> None:
+    """select() refused descriptors above 1023 on the watch thread, silently: a death
+    went unseen for good. Every rank here holds 1,100 more open descriptors."""
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_watch.many_fds_then_a_death, 3, args=(1100,), allow_exit=[2])
+    for out in results[:2]:
+        assert out["highest_fd"] > 1100, out
+        assert out["lost"] == out["lost_call"] == [2], out
+
+
+def test_a_store_error_while_relinking_is_survived_and_reported_once() -> None:
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_watch.store_fails_while_relinking, 3, allow_exit=[1])
+    first, other = results[0], results[2]
+    assert first["failures_left"] == 0, first  # the injected errors were all hit
+    assert first["successor"] == 2 and first["lost"] == [1], first
+    assert "injected store failure in compare_set" in first["first_lost"], first
+    assert first["second_lost"] == [1], first  # reported once, and the watch goes on
+    assert other["lost"] == other["second_lost"] == [1], other
+
+
+def test_a_failure_of_the_watch_thread_surfaces_in_the_next_query(one_rank: Any) -> None:
+    import time
+
+    import _workers_watch
+
+    from scopedmesh import LivenessWatch
+
+    with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
+        faulty = _workers_watch.FailingStore(watch._thread_store, "add", 10**9)
+        faulty.armed = True
+        watch._thread_store = faulty
+        deadline = time.monotonic() + 10
+        while watch._failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match=r"its thread failed while watching .* injected"):
+            watch.lost()
+        watch._thread_store = faulty.store
+
+
+def test_guard_warns_once_where_groups_cannot_be_closed(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    from scopedmesh import LivenessWatch, ProcessGroupMesh
+
+    monkeypatch.setattr(closable, "supported", lambda: False)
+    with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                watch.guard(ProcessGroupMesh(1, names=("dp",))).close()
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1, said
+    assert "cannot abort a collective in flight" in said[0]
+
+
+def test_close_after_an_error_never_hides_it(one_rank: Any) -> None:
+    """The store failing in close() (its host gone, say) is a warning after the error
+    that ended the block, never a replacement for it."""
+    import _workers_watch
+
+    from scopedmesh import LivenessWatch
+
+    store = None
+    with pytest.warns(RuntimeWarning, match="closing .* after ValueError also failed"):
+        with pytest.raises(ValueError, match="the original error"):
+            with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
+                store = watch._store
+                failing = _workers_watch.FailingStore(store, "add", 10**9)
+                failing.armed = True
+                watch._store = failing
+                raise ValueError("the original error")
+    assert watch.closed and store is not None
+
+
+@pytest.mark.slow
+@needs_interrupt
+def test_soak_kills_from_outside_at_random_moments() -> None:
+    """30 worlds of 8 ranks (4 x 2, 2 x 4 and 8 x 1 dp x tp), each losing a random rank,
+    SIGKILLed by another rank's thread at a random moment while every rank runs dp
+    all_reduces: no survivor waits for a timeout, every one agrees on the dead rank,
+    and those that go on sum over the re-formed dp groups."""
+    import random
+
+    import _workers_watch
+
+    from scopedmesh.testing import run_world
+
+    rng = random.Random(29)
+    for kill in range(30):
+        dp = (4, 2, 8)[kill % 3]
+        victim, delay = rng.randrange(8), rng.uniform(0.0, 0.05)
+        results = run_world(
+            _workers_watch.killed_inside_a_collective,
+            8,
+            args=(victim, delay, dp),
+            allow_exit=[victim],
+            timeout=240,
+        )
+        tp = 8 // dp
+        for rank, out in enumerate(results):
+            if rank == victim:
+                assert out is None
+                continue
+            assert not any(word in out["error"].lower() for word in TIMEOUT_WORDS), out
+            assert out["lost"] == [victim], (kill, out)
+            if rank // tp == victim // tp:  # the victim's dp slice sits out
+                assert "sat_out" in out, (kill, out)
+            else:
+                assert out["shape"] == [dp - 1, tp], (kill, out)
+                assert out["sums"] == [float(dp - 1)] * 3, (kill, out)
+    _figure("soak: 30 SIGKILLs from outside, inside collectives (8 ranks)", kills=30)
