@@ -1,27 +1,29 @@
-"""Heal after a SIGKILL: how long from a rank's death to the first step on the re-formed mesh.
+"""Heal after a SIGKILL: from a rank's death to the survivors' first step on the re-formed mesh.
 
-    .venv/bin/python -m benchmarks.heal              # 20 kills, about 3 minutes on 2 cores
-    .venv/bin/python -m benchmarks.heal --kills 2    # the smoke run the suite does
+    .venv/bin/python -m benchmarks.heal                    # 2x2x2, 4x2, 8x1: 20 kills each
+    .venv/bin/python -m benchmarks.heal --shapes 4x4 --kills 5   # 16 ranks
+    .venv/bin/python -m benchmarks.heal --against torchft  # side by side with torchft 0.2.0
 
-Each kill is a fresh world of 8 gloo ranks (forked, the store hosted by this
-process as torchrun's agent hosts it) training a 2 x 2 x 2 (dp, pp, tp) model:
-two pipeline stages, each a tp-sharded linear layer, data parallel over dp.
-Every rank runs a :class:`~scopedmesh.mesh.watch.LivenessWatch` (20 ms) guarding
-the mesh; at a random step a random rank SIGKILLs itself. Every survivor
-learns of it, its collective is aborted, the survivors agree on the lost set,
-re-form (the dead rank's dp slice sits out), form their groups and train on.
-Losses after healing must equal plain data parallelism computed here.
+The command (:func:`main`) runs :mod:`benchmarks.heal_random`: the launcher
+SIGKILLs a random rank from outside at a random moment, inside a collective or
+between two, while every step all-reduces 4 MiB along ``dp``; with
+``--against torchft``, :mod:`benchmarks.heal_torchft`. Per kill a row of
+seconds from the kill until the latest survivor that trains on has learned
+it (``detect``), raised (``abort``), agreed, formed its new groups
+(``re-form``) and completed its first step on them; per shape a line; last,
+``heal: median X s, max Y s over N kills (...)`` over every kill.
 
-Times are from the kill, per kill the latest survivor that goes on:
-``detect`` (its watch learned), ``abort`` (its training raised), ``agree``
-(the lost set decided), ``re-form`` (the new mesh's groups formed) and
-``first step`` (the first step completed on the re-formed mesh).
+The rest of this module is the world the watch's tests run
+(``tests/world/test_watch.py``): 8 ranks, a 2 x 2 x 2 (dp, pp, tp) model, and
+a plan that has a rank SIGKILL itself at a chosen step (:func:`rank_main`,
+:func:`launch`, :func:`check`, :func:`phases`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -424,35 +426,115 @@ def check(result: dict[str, Any], victim: int, kill_step: int, steps: int) -> No
         raise RuntimeError(f"the watches left store keys: {result['watch_keys'][:10]}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=2026)
-    args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
-    rows = []
-    print(
-        f"{'kill':>4} {'rank':>4} {'step':>4} " + " ".join(f"{p:>10}" for p in PHASES), flush=True
-    )
-    for kill in range(args.kills):
-        victim, step = rng.randrange(8), rng.randrange(1, args.steps - 1)
-        plan = {"steps": args.steps, "kill": {str(victim): step}}
-        result = launch(plan)
-        check(result, victim, step, args.steps)
-        row = phases(result, victim)
-        rows.append(row)
-        print(
-            f"{kill + 1:>4} {victim:>4} {step:>4} " + " ".join(f"{t:>10.3f}" for t in row),
-            flush=True,
-        )
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.1f}/{five:.1f}"
+
+
+def _summary(rows: list[list[float]]) -> str:
     totals = [row[-1] for row in rows]
     medians = [statistics.median(row[i] for row in rows) for i in range(len(PHASES))]
-    print(
-        f"heal: median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
+    return (
+        f"median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
         f"{len(rows)} kills (detect {medians[0]:.3f}, abort {medians[1]:.3f}, agree "
         f"{medians[2]:.3f}, re-form {medians[3]:.3f}, first step {medians[4]:.3f})"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import heal_random
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, help="kills per shape (20; against torchft: 10)")
+    parser.add_argument(
+        "--shapes", default="2x2x2,4x2,8x1", help="of " + ",".join(heal_random.SHAPES)
+    )
+    parser.add_argument(
+        "--timeout", type=float, help="collective timeout, s (60; against torchft: 10, on both)"
+    )
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--against", choices=["torchft"], help="side by side with torchft")
+    parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
+    args = parser.parse_args(argv)
+    if args.against == "torchft":
+        from benchmarks import heal_torchft
+
+        args.kills = 10 if args.kills is None else args.kills
+        args.timeout = 10.0 if args.timeout is None else args.timeout
+        return heal_torchft.main(args)
+    args.kills = 20 if args.kills is None else args.kills
+    args.timeout = 60.0 if args.timeout is None else args.timeout
+    rng = random.Random(args.seed)
+    started, load_before = time.monotonic(), _load()
+    every: list[list[float]] = []
+    record: list[dict[str, Any]] = []
+    shapes = args.shapes.split(",")
+    for shape in shapes:
+        plan = heal_random.plan_for(shape, timeout=args.timeout)
+        names = ", ".join(plan["names"])
+        print(
+            f"{shape} ({names}), {math.prod(plan['shape'])} ranks, {args.kills} kills, "
+            f"mesh timeout {args.timeout:g} s, {_load()}",
+            flush=True,
+        )
+        print(
+            f"{'kill':>4} {'rank':>4} {'step':>4} {'killed in':<14} "
+            + " ".join(f"{p:>10}" for p in PHASES)
+            + "  survivors raised in",
+            flush=True,
+        )
+        rows = []
+        mid = 0
+        for number in range(args.kills):
+            kill = heal_random.launch(plan, rng)
+            heal_random.check(kill, plan)
+            row = heal_random.phases(kill)
+            rows.append(row)
+            mid += kill.where.endswith("all_reduce")
+            raised = ", ".join(heal_random.survivor_errors(kill))
+            print(
+                f"{number + 1:>4} {kill.victim:>4} {kill.step:>4} {kill.where:<14} "
+                + " ".join(f"{t:>10.3f}" for t in row)
+                + f"  {raised}",
+                flush=True,
+            )
+            record.append(
+                {
+                    "shape": shape,
+                    "victim": kill.victim,
+                    "step": kill.step,
+                    "where": kill.where,
+                    "delay": kill.delay,
+                    "phases": dict(zip(PHASES, row)),
+                    "raised_in": raised,
+                    "launcher_marks": kill.marks,
+                }
+            )
+        every += rows
+        print(
+            f"{shape}: {_summary(rows)}; killed inside a collective {mid} of {len(rows)}; "
+            f"{_load()}",
+            flush=True,
+        )
+    wall = time.monotonic() - started
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": "python -m benchmarks.heal " + " ".join(argv or sys.argv[1:]),
+                    "torch": torch.__version__,
+                    "wall_s": wall,
+                    "load_before": load_before,
+                    "load_after": _load(),
+                    "kills": record,
+                    "summary": "heal: " + _summary(every),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    print(f"wall {wall:.0f} s; {load_before} before, {_load()} after", flush=True)
+    print(f"heal: {_summary(every)}")
     return 0
 
 

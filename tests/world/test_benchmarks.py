@@ -194,3 +194,57 @@ def test_dtensor_scope_benchmark_runs_every_case() -> None:
         "torch cold",
     ], run.stdout
     assert float(rows[0][2]) == 1.0 and all(float(ms) > 0 for _, ms, _ in rows)
+
+
+# ------------------------------------------------------------------ heal (benchmarks/heal.py)
+
+HEAL_NUMBER = r"\d+\.\d+"
+HEAL_SUMMARY = (
+    rf"median {HEAL_NUMBER} s, max {HEAL_NUMBER} s over {{n}} kills \(detect {HEAL_NUMBER}, "
+    rf"abort {HEAL_NUMBER}, agree {HEAL_NUMBER}, re-form {HEAL_NUMBER}, first step {HEAL_NUMBER}\)"
+)
+
+
+def test_heal_model_equals_plain_data_parallelism_step_by_step() -> None:
+    """The heal benchmark's model and 4 MiB bucket, two replicas summed here: the reference."""
+    from benchmarks import heal_random as hr
+
+    sizes = {"dp": 2, "tp": 1}
+    replicas = [hr.initial(sizes, {"dp": r, "tp": 0}) for r in range(2)]
+    losses = []
+    for step in range(4):
+        buckets = []
+        for r, weights in enumerate(replicas):
+            bucket, _ = hr.gradients(weights, step, sizes, {"dp": r, "tp": 0}, lambda t, a: None)
+            buckets.append(bucket)
+        assert buckets[0].numel() * 8 == 4 * 1024 * 1024  # the all_reduce carries 4 MiB
+        losses.append([hr.apply(w, buckets[0] + buckets[1], 2) for w in replicas])
+    expected = hr.small_reference(4, lambda s: 2)
+    assert [a for a, b in losses] == [b for a, b in losses]
+    assert [a for a, _ in losses] == pytest.approx(expected, rel=1e-12)
+    big = hr.reference_big(replicas[0].big.numel(), 4, lambda s: 2)
+    assert float((replicas[0].big - big).abs().max()) < 1e-12
+
+
+def test_heal_benchmark_kills_from_outside_and_prints_its_lines(tmp_path: Path) -> None:
+    """One outside SIGKILL in a 4 x 1 world: the row, the shape's line, the last line, the JSON."""
+    out = tmp_path / "heal.json"
+    args = ["--shapes", "4x1", "--kills", "1", "--timeout", "10", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.heal", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,  # a guard against a hang, not a timing assertion
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("4x1 (dp, tp), 4 ranks, 1 kills"), lines
+    row = re.fullmatch(r" +1 +([0-3]) +\d+ (.{14})(?: +\d+\.\d+){5}  (.+)", lines[2])
+    assert row, lines[2]
+    assert re.fullmatch(rf"4x1: {HEAL_SUMMARY.format(n=1)}; killed inside .*", lines[3]), lines[3]
+    assert re.fullmatch(rf"heal: {HEAL_SUMMARY.format(n=1)}", lines[-1]), lines[-1]
+    record = json.loads(out.read_text())
+    (kill,) = record["kills"]
+    assert kill["victim"] == int(row.group(1)) and kill["where"] == row.group(2).strip()
+    assert record["summary"] == lines[-1]

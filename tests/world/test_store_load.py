@@ -83,15 +83,16 @@ def test_an_agreement_poll_asks_2_requests_per_member_whatever_the_size(members:
     it was up to N per member (a ``check`` per missing member), N squared in all."""
     import torch.distributed as dist
 
+    from scopedmesh.c10d.store import AgreementKeys
     from scopedmesh.mesh.watch import Agreement
 
     store = dist.HashStore()
     ranks = list(range(members))
     waiting = _Counting(store)
-    mine = Agreement(waiting, "t", ranks, 0)
+    mine = Agreement(waiting, AgreementKeys("t"), ranks, 0)
     mine.check_in()
     for rank in ranks[1:-1]:  # every member but the last has checked in
-        Agreement(store, "t", ranks, rank).check_in()
+        Agreement(store, AgreementKeys("t"), ranks, rank).check_in()
     waiting.requests = 0
     polls = 5
     for _ in range(polls):
@@ -106,5 +107,5 @@ def test_an_agreement_poll_asks_2_requests_per_member_whatever_the_size(members:
     assert waiting.requests == 2 + 2 + 1
     for rank in ranks[1:-1]:  # the others read the decision: 2 requests each
         other = _Counting(store)
-        assert Agreement(other, "t", ranks, rank).poll(lost, lambda: lost) == lost
+        assert Agreement(other, AgreementKeys("t"), ranks, rank).poll(lost, lambda: lost) == lost
         assert other.requests == 2

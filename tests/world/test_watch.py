@@ -10,8 +10,6 @@ which it was. Counts and sets are asserted, never a time.
 from __future__ import annotations
 
 import math
-import re
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -162,26 +160,6 @@ def test_a_second_death_during_the_agreement_is_agreed_on_too() -> None:
     assert result["exitcodes"][6] == -9
     _check_healed(reports, [5, 6])
     _check_nothing_left(result, reports)
-
-
-@needs_interrupt
-def test_the_benchmark_runs_and_prints_its_line(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.heal", "--kills", "2", "--steps", "6"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 4  # the header, one row per kill, the last line
-    number = r"\d+\.\d+"
-    assert re.fullmatch(
-        rf"heal: median {number} s, max {number} s over 2 kills \(detect {number}, abort "
-        rf"{number}, agree {number}, re-form {number}, first step {number}\)",
-        lines[-1],
-    ), lines[-1]
 
 
 # ------------------------------------------------------------------ bad arguments
