@@ -12,7 +12,9 @@ different groups (consecutive scoped blocks, two meshes open at once) would
 then share cache entries, and one block's work would run on the other block's
 groups. A :class:`ScopedDeviceMesh` adds a token of its groups' names, unique
 per incarnation, to that key; every DeviceMesh torch derives from it (slices,
-``_flatten``, ``_unflatten``) becomes one too; a group torch makes for ``_flatten`` or
+``_flatten``, ``_unflatten``) becomes one too, and one torch combines as its own class
+(``DeviceMesh._concatenate``, torch 2.15) keeps the token in ``_preserve_rank_order``
+(:class:`RankOrder`); a group torch makes for ``_flatten`` or
 ``_unflatten`` is handed to the lifetime, which destroys it when the scope
 closes; and once the scope has closed, resolving any of its groups raises the
 lifetime's error (:class:`~scopedmesh.errors.MeshClosedError`).
@@ -35,6 +37,7 @@ from scopedmesh.layout.mesh_layout import Axis, MeshLayout
 
 __all__ = [
     "Lifetime",
+    "RankOrder",
     "ScopedDeviceMesh",
     "build_device_mesh",
     "check_device_type",
@@ -105,6 +108,23 @@ class ScopedDeviceMesh(DeviceMesh):
     def _thread_id(self, value: int | None) -> None:
         self.__dict__["_thread_id"] = value
 
+    @property
+    def _preserve_rank_order(self) -> RankOrder:
+        # torch (2.15) builds a mesh with the static ``DeviceMesh._concatenate`` (FSDP2's
+        # HSDP and FSDP2 + TP meshes) as its own class, with no ``_thread_id``; but it
+        # copies this field from the first mesh, and ``__eq__``, ``__hash__`` and the
+        # compile guard compare it. Read here it carries this mesh's incarnation token, so
+        # such a mesh is distinct per incarnation as well. Releases without the field
+        # never set it: then it stays absent (AttributeError), as on torch's class.
+        stored = self.__dict__.get("_preserve_rank_order", _ABSENT)
+        if stored is _ABSENT:
+            raise AttributeError("_preserve_rank_order")
+        return RankOrder(bool(stored), _incarnation_token(_group_names(self)))
+
+    @_preserve_rank_order.setter
+    def _preserve_rank_order(self, value: bool) -> None:
+        self.__dict__["_preserve_rank_order"] = bool(value)  # torch's may pass a RankOrder
+
     def __copy__(self) -> ScopedDeviceMesh:
         return self  # a handle on its scope's groups: copies would share them anyway
 
@@ -133,6 +153,59 @@ class ScopedDeviceMesh(DeviceMesh):
         lifetime: Lifetime | None = self.__dict__.get(_LIFETIME)
         if lifetime is not None:
             lifetime.check_open()
+
+
+_ABSENT = object()
+
+
+class RankOrder:
+    """torch's ``preserve_rank_order`` flag, tagged with a group-incarnation token.
+
+    True or false exactly as the flag; equal to another only with the same flag
+    and token (never to a plain bool), hashed alike; immutable, so copies are
+    itself, and it pickles as its two values. A DeviceMesh torch derives from a
+    :class:`ScopedDeviceMesh` by itself (``DeviceMesh._concatenate``) keeps the
+    token in that field, which its ``__eq__``, ``__hash__`` and compile guard read.
+
+    >>> RankOrder(False, 1) == RankOrder(False, 1), RankOrder(False, 1) == RankOrder(False, 2)
+    (True, False)
+    >>> bool(RankOrder(False, 1)), RankOrder(False, 1) == False, not RankOrder(True, 1)
+    (False, False, False)
+    """
+
+    __slots__ = ("_flag", "_token")
+    _flag: bool
+    _token: int
+
+    def __init__(self, flag: bool, token: int) -> None:
+        object.__setattr__(self, "_flag", bool(flag))
+        object.__setattr__(self, "_token", token)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __bool__(self) -> bool:
+        return self._flag
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RankOrder):
+            return NotImplemented
+        return (self._flag, self._token) == (other._flag, other._token)
+
+    def __hash__(self) -> int:
+        return hash((RankOrder, self._flag, self._token))
+
+    def __repr__(self) -> str:  # torch's stable hash (AOT autograd's cache) reads it
+        return f"RankOrder({self._flag}, {self._token})"
+
+    def __reduce__(self) -> tuple[type[RankOrder], tuple[bool, int]]:
+        return RankOrder, (self._flag, self._token)
+
+    def __copy__(self) -> RankOrder:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RankOrder:
+        return self
 
 
 def _incarnation_token(names: list[str]) -> int:

@@ -179,6 +179,47 @@ def test_device_mesh_equality_and_hash_include_thread_id(world: Any) -> None:
     assert meshes[0] != meshes[1] and hash(meshes[0]) != hash(meshes[1])
 
 
+def _has_rank_order_field() -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return "_preserve_rank_order" in getattr(DeviceMesh, "__annotations__", {})
+
+
+@pytest.mark.skipif(
+    not _has_rank_order_field(),
+    reason="this torch's DeviceMesh has no _preserve_rank_order field (added after 2.13)",
+)
+@pytest.mark.world(1)
+def test_concatenate_copies_the_first_meshs_rank_order_which_equality_reads(world: Any) -> None:
+    """``DeviceMesh._concatenate`` (FSDP2's HSDP and FSDP2 + TP meshes) builds torch's own
+    class; ScopedDeviceMesh tells such meshes apart only because it copies the first
+    mesh's ``_preserve_rank_order`` and ``__eq__``/``__hash__`` read that field (its
+    compile guard too: test_dtensor_scope's compiled test)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from scopedmesh import ProcessGroupMesh
+    from scopedmesh.c10d.device_mesh import RankOrder
+
+    whole = c10d.GroupMember.WORLD
+    plain = DeviceMesh.from_group(whole, "cpu")
+    marked = DeviceMesh.from_group(whole, "cpu")
+    marked._preserve_rank_order = RankOrder(False, 12345)  # before its first hash
+    assert marked != plain, "DeviceMesh.__eq__ no longer reads _preserve_rank_order"
+    assert hash(marked) != hash(plain), "DeviceMesh.__hash__ no longer reads _preserve_rank_order"
+    joined = []
+    for _ in range(2):
+        with ProcessGroupMesh(1, 1, names=("a", "b")) as mesh:
+            dm = mesh.to_device_mesh("cpu")
+            first = dm["a"]
+            one = DeviceMesh._concatenate([first, dm["b"]])
+            assert type(one) is DeviceMesh
+            assert isinstance(one.__dict__["_preserve_rank_order"], RankOrder)
+            assert one._preserve_rank_order == first._preserve_rank_order, "no longer copied"
+            assert not one._preserve_rank_order  # torch's flag, False by default
+            joined.append(one)
+    assert joined[0] != joined[1] and hash(joined[0]) != hash(joined[1])
+
+
 # The DTensor caches forget_closed_meshes clears, by name, and the releases that have
 # each. Names that a release lacks are skipped there; a release that renames or drops one
 # it should have fails here instead of keeping closed blocks' meshes.

@@ -398,3 +398,84 @@ def test_every_example_opens_a_mesh_and_uses_dtensor(
         assert y.to_local().tolist() == (a @ a.T).tolist()
         assert list(y.device_mesh._dim_group_names) == own_names(mesh)
     assert _c10d.live_group_count() == 1
+
+
+# ------------------------------------- FSDP2's combined meshes: DeviceMesh._concatenate
+
+CONCATENATES = hasattr(DeviceMesh, "_concatenate") and "_preserve_rank_order" in getattr(
+    DeviceMesh, "__annotations__", {}
+)
+
+
+@pytest.mark.skipif(
+    not CONCATENATES,
+    reason="this torch's DeviceMesh has no _preserve_rank_order field for _concatenate to "
+    "copy (torch 2.13): two FSDP2 models open at once can share a combined mesh there "
+    "(docs/lifetime.md)",
+)
+@pytest.mark.world(4)
+def test_two_fsdp2_models_on_two_open_meshes_never_share_a_combined_mesh(world: Any) -> None:
+    """FSDP2 + TP and HSDP on two open meshes of one structure, steps interleaved.
+
+    FSDP2 builds each parameter's combined mesh with the static
+    ``DeviceMesh._concatenate``, as torch's own class: it must still be distinct
+    per scope, so no DTensor of one model ever carries the other's mesh, and the
+    model left open goes on after the other closes.
+    """
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    def build(dm: DeviceMesh, hsdp: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).double()
+        if hsdp:
+            return fully_shard(model, mesh=dm)  # (replicate, shard): HSDP
+        parallelize_module(model, dm["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return fully_shard(model, mesh=dm["dp"])
+
+    def meshes(model: nn.Module) -> list[DeviceMesh]:
+        found = []
+        for p in model.parameters():
+            for t in (p, p.grad):
+                if isinstance(t, DTensor):
+                    found.append(t.device_mesh)
+        return found
+
+    x = A[:, :8].clone()
+    for hsdp in (False, True):
+        with ProcessGroupMesh(2, 2, names=("dp", "tp")) as mesh_a:
+            mesh_b = ProcessGroupMesh(2, 2, names=("dp", "tp")).__enter__()
+            own = [set(own_names(m)) for m in (mesh_a, mesh_b)]
+            dms = [m.to_device_mesh("cpu") for m in (mesh_a, mesh_b)]
+            joined = [DeviceMesh._concatenate([dm["dp"], dm["tp"]]) for dm in dms]
+            assert type(joined[0]) is DeviceMesh  # torch's own class, not bound to a scope
+            assert joined[0] != joined[1] and hash(joined[0]) != hash(joined[1])
+            assert joined[0] == DeviceMesh._concatenate([dms[0]["dp"], dms[0]["tp"]])
+            assert copy.deepcopy(joined[0]._preserve_rank_order) == joined[0]._preserve_rank_order
+            models = [build(dm, hsdp) for dm in dms]
+            optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+            losses: list[list[float]] = [[], []]
+            for _ in range(3):
+                for i, (model, optim) in enumerate(zip(models, optims)):
+                    loss = model(x).sum()
+                    loss.backward()
+                    optim.step()
+                    losses[i].append(loss.item())
+            assert losses[0] == losses[1]
+            for i, model in enumerate(models):
+                found = meshes(model)
+                assert found and all(set(m._dim_group_names) <= own[i] for m in found), hsdp
+                other = meshes(models[1 - i])
+                assert all(m != n for m in found for n in other), hsdp
+        with torch.no_grad():  # model A's block closed: model B goes on, on its own groups
+            full = [p.full_tensor() for p in models[1].parameters()]
+        assert all(t.isfinite().all() for t in full)
+        mesh_b.__exit__(None, None, None)
+    assert _c10d.live_group_count() == 1
