@@ -376,6 +376,7 @@ def _replay(count: int, seed: int, optimize: bool) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.launch  # a slow lane: .ci/run runs it
 def test_bad_input_corpus_under_python_O() -> None:
     """The fixed-seed corpus, replayed where ``assert`` statements do not run."""
     report = _replay(3000, seed=0, optimize=True)

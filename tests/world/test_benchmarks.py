@@ -27,6 +27,9 @@ if str(REPO) not in sys.path:
 from benchmarks import report  # noqa: E402
 from benchmarks.run import quick_config, shape_for  # noqa: E402
 
+# Each test runs a benchmark as a user runs it: the launch lane.
+pytestmark = pytest.mark.launch
+
 MEMORY_BOUND = 256 * 1024  # bytes: the bound on the mesh's peak Python memory
 
 

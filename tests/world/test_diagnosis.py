@@ -205,6 +205,7 @@ def test_a_dead_peer_is_named_at_once(size: int, how: str) -> None:
 # ------------------------------------------------------------------ 3. a slow peer
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 def test_a_peer_ten_seconds_late_forms_normally_on_a_loaded_machine() -> None:
     """No false alarm: the waiting ranks see a live peer outside any formation, and wait."""
     burners = [
@@ -261,6 +262,7 @@ def test_bad_grace_is_a_value_error_naming_it(world: Any) -> None:
 # ------------------------------------------------------------------ the benchmark runs
 
 
+@pytest.mark.launch  # a slow lane: .ci/run runs it
 def test_the_time_to_diagnosis_benchmark_runs() -> None:
     """``python -m benchmarks.diagnosis`` in small: every run diagnosed (no time asserted)."""
     from benchmarks.diagnosis import measure

@@ -111,6 +111,7 @@ def test_host_names_and_torchrun_env_give_the_nodes_and_the_mesh_keeps_tp_inside
         ]
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 def test_a_rank_that_never_joins_the_host_gather_is_a_timeout_error() -> None:
     message = run_world(host_gather_times_out, 2, timeout=120)[0]
     assert "rank 0 waited 1.5 s for the host names of all 2 ranks" in message

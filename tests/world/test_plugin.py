@@ -112,6 +112,7 @@ def test_crash_on_rank_1(world):
         _assert_gone(_pids(tmp_path, name))
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 def test_hang_fails_after_the_timeout(pytester: pytest.Pytester, tmp_path: Path) -> None:
     _write(
         pytester,
@@ -134,6 +135,7 @@ def test_hang(world):
     _assert_gone(_pids(tmp_path, "hang"))
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 def test_reused_world_serves_a_module_and_restarts_after_a_failure(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:

@@ -133,6 +133,7 @@ def test_nothing_left_after_the_watch_stops(killed: dict[str, Any]) -> None:
     _check_nothing_left(killed, _reports(killed))
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 def test_a_stopped_or_busy_rank_is_not_declared_lost(tmp_path: Path) -> None:
     """SIGSTOP rank 6 for 2 s, then a 2 s busy loop on rank 1: alive both times (open sockets)."""
     plan = {"steps": STEPS, "stop": [6, 2, 2.0], "busy": {"1": [4, 2.0]}}
@@ -231,6 +232,7 @@ def test_bad_arguments_name_the_argument_and_leave_the_store_usable(
     assert heal.watch_keys(store, [0]) == []
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 @needs_interrupt
 @pytest.mark.parametrize("settle", [True, False])
 def test_a_held_group_closes_once_its_collective_has_ended(settle: bool) -> None:
@@ -390,6 +392,7 @@ def test_a_watch_with_1100_open_fds_learns_of_a_death() -> None:
         assert out["lost"] == out["lost_call"] == [2], out
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 def test_a_store_error_while_relinking_is_survived_and_reported_once() -> None:
     import _workers_watch
 
