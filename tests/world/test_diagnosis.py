@@ -161,6 +161,7 @@ def test_a_peer_this_rank_cannot_see_gets_the_likely_causes() -> None:
     _check_clean(results, 2)
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it (waits out a 3 s formation timeout)
 def test_three_ranks_a_peer_in_another_group_and_a_peer_that_closed_its_mesh() -> None:
     """Rank 2 never formed a group, so no rank can see its process: the causes are listed
     for rank 2 only; rank 1's state (its announcement) is known and leads."""

@@ -326,6 +326,7 @@ def _seen(pid_dir: Path, name: str) -> dict[str, list[object]]:
     }
 
 
+@pytest.mark.launch  # a slow lane: .ci/run runs it (a user's hypothesis file, run by pytest)
 def test_hypothesis_drives_a_world_in_lockstep_and_shrinks_a_failure(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
