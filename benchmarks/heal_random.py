@@ -344,6 +344,24 @@ class Kill:
     marks: dict[str, float]  # the launcher's clock: started, warm, killed, ended
 
 
+def step_time(
+    status: Status, ranks: int, warm_steps: int, deadline: float, procs: Sequence[Any]
+) -> tuple[float | None, list[int]]:
+    """Warm up: once every rank is past ``warm_steps``, the slowest rank's step time over 2
+    more steps (the first steps also connect gloo's pairs); None if ``deadline`` passes or
+    a process ends first. With the steps last seen."""
+    first: float | None = None
+    while True:
+        steps = [status.get(r)[0] for r in range(ranks)]
+        if first is None and min(steps) >= warm_steps:
+            first = time.monotonic()
+        if min(steps) >= warm_steps + 2 and first is not None:
+            return (time.monotonic() - first) / 2, steps
+        if time.monotonic() > deadline or any(not p.is_alive() for p in procs):
+            return None, steps
+        time.sleep(0.002)
+
+
 def launch(
     plan: dict[str, Any],
     rng: Any,
@@ -369,19 +387,9 @@ def launch(
         deadline = time.monotonic() + timeout
         killed_at, where, at_step, delay = 0.0, "never", -1, 0.0
         try:
-            # Warm up: every rank past `warm_steps`; then the step time of the slowest
-            # rank over 2 more steps (the first steps also connect gloo's pairs).
-            first: float | None = None
-            while True:
-                steps = [status.get(r)[0] for r in range(world)]
-                if first is None and min(steps) >= warm_steps:
-                    first = time.monotonic()
-                if min(steps) >= warm_steps + 2 and first is not None:
-                    per_step = (time.monotonic() - first) / 2
-                    break
-                if time.monotonic() > deadline or any(not p.is_alive() for p in procs):
-                    raise RuntimeError(f"the world did not warm up (steps {steps})")
-                time.sleep(0.002)
+            per_step, steps = step_time(status, world, warm_steps, deadline, procs)
+            if per_step is None:
+                raise RuntimeError(f"the world did not warm up (steps {steps})")
             marks["warm"] = time.monotonic()
             delay = rng.uniform(0.0, window_steps * per_step)
             time.sleep(delay)

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from benchmarks import heal_random
-from benchmarks.heal_random import Status, apply, gradients, initial
+from benchmarks.heal_random import Status, apply, gradients, initial, step_time
 from scopedmesh.testing.launcher import world_context
 
 REPLICAS = 4
@@ -230,20 +230,12 @@ def launch(
             warm_deadline = time.monotonic() + warm_timeout
             killed_at, where = 0.0, "never"
             try:
-                first: float | None = None
-                while True:
-                    steps = [status.get(r)[0] for r in range(REPLICAS)]
-                    if first is None and min(steps) >= warm_steps:
-                        first = time.monotonic()
-                    if min(steps) >= warm_steps + 2 and first is not None:
-                        per_step = (time.monotonic() - first) / 2
-                        break
-                    if time.monotonic() > warm_deadline or any(not p.is_alive() for p in procs):
-                        raise NotWarm(
-                            f"the quorum did not hold all {REPLICAS} replicas for {warm_steps} "
-                            f"steps within {warm_timeout:g} s (steps in full quorums: {steps})"
-                        )
-                    time.sleep(0.002)
+                per_step, steps = step_time(status, REPLICAS, warm_steps, warm_deadline, procs)
+                if per_step is None:
+                    raise NotWarm(
+                        f"the quorum did not hold all {REPLICAS} replicas for {warm_steps} "
+                        f"steps within {warm_timeout:g} s (steps in full quorums: {steps})"
+                    )
                 time.sleep(rng.uniform(0.0, window_steps * per_step))
                 _, where, _ = status.get(victim)
                 killed_at = time.time()
