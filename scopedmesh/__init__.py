@@ -49,7 +49,7 @@ __all__ = [
     "world_nodes",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.1.1.dev0"
 
 # Loaded on first use: the torch-backed names, and pure helpers few programs need.
 _LAZY = MappingProxyType(
