@@ -344,6 +344,20 @@ class Kill:
     marks: dict[str, float]  # the launcher's clock: started, warm, killed, ended
 
 
+def reap(procs: Sequence[Any], status: Status) -> None:
+    """Kill and join whatever of the world still runs, then close the status file."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    status.close()
+
+
+def rank_reports(outdir: str | Path) -> dict[int, Any]:
+    """Each rank's report (``rank<N>.json`` in ``outdir``), by rank."""
+    return {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")}
+
+
 def step_time(
     status: Status, ranks: int, warm_steps: int, deadline: float, procs: Sequence[Any]
 ) -> tuple[float | None, list[int]]:
@@ -401,14 +415,8 @@ def launch(
                 p.join(max(0.0, deadline - time.monotonic()))
             marks["ended"] = time.monotonic()
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-            status.close()
-        reports = {
-            int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")
-        }
+            reap(procs, status)
+        reports = rank_reports(outdir)
     return Kill(
         victim,
         killed_at,

@@ -45,7 +45,15 @@ from typing import Any
 import torch
 
 from benchmarks import heal_random
-from benchmarks.heal_random import Status, apply, gradients, initial, step_time
+from benchmarks.heal_random import (
+    Status,
+    apply,
+    gradients,
+    initial,
+    rank_reports,
+    reap,
+    step_time,
+)
 from scopedmesh.testing.launcher import world_context
 
 REPLICAS = 4
@@ -249,14 +257,8 @@ def launch(
                         break  # a survivor failed: its report says why
                     time.sleep(0.01)
             finally:
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
-                status.close()
-            reports = {
-                int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")
-            }
+                reap(procs, status)
+            reports = rank_reports(outdir)
     finally:
         lighthouse.shutdown()
     return Killed(victim, killed_at, where, reports, {r: p.exitcode for r, p in enumerate(procs)})
