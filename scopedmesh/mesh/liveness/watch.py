@@ -32,13 +32,13 @@ import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
-from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys
+from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout import Axis
 from scopedmesh.layout.ints import is_int
 from scopedmesh.mesh.heal import reform
 from scopedmesh.mesh.liveness.agreement import Agreement
-from scopedmesh.mesh.liveness.deaths import UNREACHABLE, DeathRecord
+from scopedmesh.mesh.liveness.deaths import UNREACHABLE, DeathRecord, parse_deaths
 from scopedmesh.mesh.liveness.guard import Guard
 from scopedmesh.mesh.liveness.ring import UNREACHABLE_AFTER, Ring
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
@@ -335,11 +335,9 @@ class LivenessWatch:
                 self._guard.settle()
                 if ring.relink_due is not None:
                     ring.relink()
-                count = self._record.poll(ring.store, seen)
-                if count != seen:
-                    seen = count
-                    if ring.succ is not None and ring.succ[0] in self._record.lost:
-                        ring.relink()
+                seen = self._record.poll(ring.store, seen)
+                if ring.succ is not None and ring.succ[0] in self._record.lost:
+                    ring.relink()
             except Exception as error:  # keep watching (the store may come back); say so
                 self._report("failed while watching (it goes on)", error)
                 time.sleep(self._interval)
@@ -413,16 +411,28 @@ class LivenessWatch:
             self._store = self._ring.store = None  # closes both connections
 
     def _clean_up(self) -> None:
-        """The last member to close (the lost ones never will) deletes the watch's keys."""
+        """The last member to close (the lost ones never will) deletes the watch's keys.
+
+        Only the keys written, each once: the two counters, the lists of deaths
+        and tags if written, each agreement's three keys (its tag appears once
+        per member on the list: counted once), and the dead members' addresses
+        (the others deleted their own). O(keys written), never O(members x tags).
+        """
         store, keys = self._store, self.keys
-        closed = store.add(keys.closed, 1)
-        dead = store.add(keys.deaths, 0)
-        if closed + dead < len(self.ranks):
+        closed = int(store.add(keys.closed, 1))
+        deaths = read(store, keys.lost)
+        dead = sorted(set(parse_deaths(deaths or "")).intersection(self.ranks))
+        if closed + len(dead) < len(self.ranks):
             return
-        tags: list[str] = []
-        if store.check([keys.tags]):
-            tags = store.get(keys.tags).decode().split("\n")
-        for key in keys.all(self.ranks, tags):
+        tags = read(store, keys.tags)
+        doomed = [keys.closed, keys.deaths]
+        doomed += [
+            key for key, text in ((keys.lost, deaths), (keys.tags, tags)) if text is not None
+        ]
+        for tag in dict.fromkeys(tag for tag in (tags or "").split("\n") if tag):
+            doomed += keys.agreement(tag).all()
+        doomed += [keys.addr(rank) for rank in dead]
+        for key in doomed:
             store.delete_key(key)
 
     def __repr__(self) -> str:
