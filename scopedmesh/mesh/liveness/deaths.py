@@ -17,6 +17,7 @@ on them (the guard).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,17 +58,23 @@ class DeathRecord:
         self.why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self.learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
         self._polls = 0
+        self._lock = threading.Lock()  # both threads learn: no update may overwrite another
 
     def learn(self, dead: dict[int, str]) -> None:
-        """Learn the deaths in ``dead`` (rank -> reason); hand the new ones to ``on_new``."""
-        new = set(dead).difference(self.lost)
-        if not new:
-            return
-        now = time.time()
-        for rank in new:
-            self.learned[rank] = now
-            self.why[rank] = dead[rank]
-        self.lost = self.lost | new
+        """Learn the deaths in ``dead`` (rank -> reason); hand the new ones to ``on_new``.
+
+        Safe from both threads: the lost set is read and replaced under a lock,
+        and each death is handed over once.
+        """
+        with self._lock:
+            new = set(dead).difference(self.lost)
+            if not new:
+                return
+            now = time.time()
+            for rank in new:
+                self.learned[rank] = now
+                self.why[rank] = dead[rank]
+            self.lost = self.lost | new
         self.on_new(new)
 
     def declare(self, store: Any, rank: int, reason: str) -> None:

@@ -135,6 +135,7 @@ class LivenessWatch:
         self._events = 0
         self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
         self._stopped = False  # whether the thread ended other than by close()
+        self._failure_lock = threading.Lock()  # the thread reports, a caller takes
         self._ring = Ring(
             self.rank,
             self.ranks,
@@ -308,15 +309,20 @@ class LivenessWatch:
 
     def _run(self) -> None:
         """The thread: read the ring's sockets, poll the store; any failure is recorded
-        for the next query (:meth:`_check_thread`), never dropped."""
+        for the next query (:meth:`_check_thread`), never dropped.
+
+        Only a clean stop (:meth:`close` woke it) says goodbye to the peers. A thread
+        that crashed leaves the sockets open: to its peers the rank is alive while
+        its process runs, and its death is declared like any other.
+        """
         try:
             with selectors.DefaultSelector() as selector:  # epoll: any number of fds
                 self._loop(selector)
         except BaseException as error:  # the thread ends: say so in the next query
-            self._failure = ("stopped", error)
-            self._stopped = True
-        finally:
-            self._ring.shut(goodbye=True)
+            with self._failure_lock:
+                self._failure, self._stopped = ("stopped", error), True
+            return
+        self._ring.shut(goodbye=True)
 
     def _loop(self, selector: selectors.BaseSelector) -> None:
         ring, seen = self._ring, 0
@@ -344,16 +350,20 @@ class LivenessWatch:
 
     def _report(self, what: str, error: BaseException) -> None:
         """Record a failure the thread survives, for the next query."""
-        self._failure = (what, error)
+        with self._failure_lock:
+            if not self._stopped:  # a stopped thread's failure stays the one reported
+                self._failure = (what, error)
 
     def _check_thread(self) -> None:
         """Raise what broke the watch's thread, naming it: always once it has stopped,
-        once per failure while it goes on."""
-        failure = self._failure
-        if failure is None or self._closed:
-            return
-        if not self._stopped:
-            self._failure = None
+        once per failure while it goes on (taken and cleared in one step, so a failure
+        reported meanwhile is raised next time, never dropped)."""
+        with self._failure_lock:
+            failure = self._failure
+            if failure is None or self._closed:
+                return
+            if not self._stopped:
+                self._failure = None
         what, error = failure
         raise RuntimeError(
             f"the liveness watch of rank {self.rank}: its thread {what}: "
@@ -403,6 +413,8 @@ class LivenessWatch:
             store.delete_key(self.keys.addr(self.rank))  # a late connector sees "left"
         self._ring.wake()
         self._thread.join(_time_left(deadline).total_seconds())
+        if self._stopped:  # the thread crashed and left the sockets open: leave cleanly
+            self._ring.shut(goodbye=True)
         self._guard.release(self)
         try:
             store.set_timeout(_time_left(deadline))
