@@ -111,3 +111,26 @@ def test_a_crashed_watch_thread_is_no_goodbye_its_later_death_is_declared() -> N
         assert out["lost_while_alive"] == [], out  # a crash is not a death
         assert out["lost"] == [1], out
         assert out["why"] is not None and "has died" in out["why"], out
+
+
+def test_a_mesh_aborted_through_its_public_method_refuses_its_groups(one_rank: Any) -> None:
+    """What the guard calls: ``abort`` is a state of the mesh's tree; ``settle`` and
+    ``set_liveness`` are local and idempotent."""
+    from scopedmesh import LivenessWatch, MeshClosedError, ProcessGroupMesh
+
+    with pytest.raises(TypeError, match="because must be a non-empty str, got 3"):
+        ProcessGroupMesh(1, names=("dp",)).abort(3)  # type: ignore[arg-type]
+    with LivenessWatch(interval=0.05, timeout=timedelta(seconds=5)) as watch:
+        with ProcessGroupMesh(1, 1, names=("dp", "tp")) as mesh:
+            assert mesh.liveness is None
+            watch.guard(mesh)
+            assert mesh.liveness is watch
+            mesh.get_group_along_axis("dp")
+            mesh.abort("in a test")
+            mesh.settle()
+            with pytest.raises(MeshClosedError, match="shut down in a test"):
+                mesh.get_group_along_axis("tp")
+            with pytest.raises(MeshClosedError, match="shut down in a test"):
+                mesh.submesh("dp").get_group_along_axis("dp")
+        assert mesh.liveness is watch  # a closed mesh keeps it until the watch lets go
+    assert mesh.liveness is None
