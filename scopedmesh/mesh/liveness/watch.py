@@ -23,7 +23,8 @@ import selectors
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -85,6 +86,18 @@ def _check_members(ranks: Iterable[int] | None, host: object, store: object) -> 
     return members
 
 
+def _weakly(method: Callable[[str, BaseException], None]) -> Callable[[str, BaseException], None]:
+    """``method`` called through a weak reference: whoever holds the call keeps no watch alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(what: str, error: BaseException) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(what, error)
+
+    return call
+
+
 def key_names(prefix: str, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
     """Every key the watches under ``prefix`` over ``ranks`` can leave (:meth:`WatchKeys.all`)."""
     return WatchKeys(prefix).all(ranks, tags)
@@ -143,7 +156,7 @@ class LivenessWatch:
             host=host,
             timeout=self._timeout,
             record=self._record,
-            report=self._report,
+            report=_weakly(self._report),  # the ring must not keep the watch alive
         )
         self._ring.store = base.clone()  # the watch thread's: never behind a caller's wait
         self._ring.store.set_timeout(self._timeout)
