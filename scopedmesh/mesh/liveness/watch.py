@@ -7,7 +7,8 @@ member's :class:`~scopedmesh.mesh.liveness.ring.Ring` (its sockets), its
 :class:`~scopedmesh.mesh.liveness.guard.Guard` of the meshes it aborts, and
 the :class:`~scopedmesh.mesh.liveness.agreement.Agreement` that :meth:`agree`
 runs. Every watch polls the store's death counter: **one store request per
-rank per** ``interval`` (50 a second per rank at the default 20 ms).
+rank per** ``interval`` (50 a second per rank at the default 20 ms), and
+reads the short list of deaths every 25 intervals.
 
 >>> LivenessWatch(interval=0)
 Traceback (most recent call last):
