@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
 from scopedmesh.c10d.diagnosis import read
-from scopedmesh.mesh.watch import ROOT, LivenessWatch, key_names
+from scopedmesh.mesh.watch import ROOT, Agreement, LivenessWatch, key_names
 from scopedmesh.testing.launcher import world_context
 
 SHAPE = (2, 2, 2)
@@ -229,7 +229,8 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
             tag = f"event{len(events)}"
             store.set(f"bench/{tag}/failed/{rank}", str(step))
             if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
-                store.set(f"{watch.prefix}/agree/{tag}/alive/{rank}", "1")
+                members = sorted(mesh.layout.ranks)
+                Agreement(store, watch.keys.agreement(tag), members, rank).check_in()
                 _die(report, outdir, rank)
             time.sleep(plan.get("slow_agree", {}).get(str(rank), 0))
             try:

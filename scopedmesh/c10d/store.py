@@ -262,8 +262,8 @@ class AgreementKeys:
     """The keys of one agreement among a watch's members, under ``base``.
 
     >>> keys = AgreementKeys("scopedmesh-watch/1/agree/t")
-    >>> keys.slot(2), keys.accounted
-    ('scopedmesh-watch/1/agree/t/in/2', 'scopedmesh-watch/1/agree/t/accounted')
+    >>> keys.entries, keys.appended
+    ('scopedmesh-watch/1/agree/t/in', 'scopedmesh-watch/1/agree/t/appended')
     """
 
     base: str
@@ -274,17 +274,19 @@ class AgreementKeys:
         return f"{self.base}/decision"
 
     @property
-    def accounted(self) -> str:
-        """The counter of members accounted for (checked in, or known lost)."""
-        return f"{self.base}/accounted"
+    def entries(self) -> str:
+        """The members accounted for, ``rank:alive,`` or ``rank:lost,`` (appended; the one
+        write that counts)."""
+        return f"{self.base}/in"
 
-    def slot(self, rank: int) -> str:
-        """Where ``rank`` is accounted for, once: ``alive``, or ``lost:<who saw it>``."""
-        return f"{self.base}/in/{rank}"
+    @property
+    def appended(self) -> str:
+        """How many entries were appended (a hint: who appends adds 1 after)."""
+        return f"{self.base}/appended"
 
-    def alive(self, rank: int) -> str:
-        """The check-in key of earlier releases (deleted at clean-up, never written now)."""
-        return f"{self.base}/alive/{rank}"
+    def all(self) -> list[str]:
+        """Every key the agreement can write."""
+        return [self.decision, self.entries, self.appended]
 
 
 @dataclass(frozen=True)
@@ -295,14 +297,13 @@ class WatchKeys:
     by :meth:`counter` (members make their watches in the same order).
 
     >>> keys = WatchKeys("scopedmesh-watch/1")
-    >>> keys.addr(3), keys.lost_of(3), WatchKeys.counter(0)
-    ('scopedmesh-watch/1/addr/3', 'scopedmesh-watch/1/lost/3', 'scopedmesh-watch/count/0')
-    >>> keys.all([0], ["t"])  # doctest: +NORMALIZE_WHITESPACE
+    >>> keys.addr(3), keys.lost, WatchKeys.counter(0)
+    ('scopedmesh-watch/1/addr/3', 'scopedmesh-watch/1/lost', 'scopedmesh-watch/count/0')
+    >>> keys.all([0], ["t", "t"])  # doctest: +NORMALIZE_WHITESPACE
     ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/deaths', 'scopedmesh-watch/1/lost',
      'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/agree/t/decision',
-     'scopedmesh-watch/1/agree/t/accounted', 'scopedmesh-watch/1/addr/0',
-     'scopedmesh-watch/1/lost/0', 'scopedmesh-watch/1/agree/t/alive/0',
-     'scopedmesh-watch/1/agree/t/in/0']
+     'scopedmesh-watch/1/agree/t/in', 'scopedmesh-watch/1/agree/t/appended',
+     'scopedmesh-watch/1/addr/0']
     """
 
     prefix: str
@@ -319,26 +320,23 @@ class WatchKeys:
 
     @property
     def deaths(self) -> str:
-        """How many members were declared lost (read every interval)."""
+        """How many declarations of deaths were made (a hint, read every interval)."""
         return f"{self.prefix}/deaths"
 
     @property
     def lost(self) -> str:
-        """The deaths as ``rank:reason,`` entries, appended by whoever declared each."""
+        """The deaths as ``rank:reason,`` entries, appended by whoever declared each (the
+        first entry of a rank is its reason; the one write a declaration needs)."""
         return f"{self.prefix}/lost"
 
     @property
     def tags(self) -> str:
-        """The tags of the agreements held (one per line), for the clean-up."""
+        """The tags of the agreements held (one per line, once per member), for the clean-up."""
         return f"{self.prefix}/tags"
 
     def addr(self, rank: int) -> str:
         """``rank``'s ring listener (``host:port``); deleted when it leaves."""
         return f"{self.prefix}/addr/{rank}"
-
-    def lost_of(self, rank: int) -> str:
-        """Who declared ``rank`` lost, and why (written once, by ``compare_set``)."""
-        return f"{self.prefix}/lost/{rank}"
 
     def agreement(self, tag: str) -> AgreementKeys:
         """The keys of the agreement ``tag``."""
@@ -346,15 +344,12 @@ class WatchKeys:
 
     def all(self, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
         """Every key the watches under this prefix over ``ranks`` can leave, given their
-        agreement ``tags`` (empty ones skipped); the per-rank counters are not among them."""
-        agreements = [self.agreement(tag) for tag in tags if tag]
+        agreement ``tags`` (each once; empty ones skipped); the per-rank counters are not
+        among them."""
         keys = [self.closed, self.deaths, self.lost, self.tags]
-        for agreement in agreements:
-            keys += [agreement.decision, agreement.accounted]
-        for rank in ranks:
-            keys += [self.addr(rank), self.lost_of(rank)]
-            keys += [key for a in agreements for key in (a.alive(rank), a.slot(rank))]
-        return keys
+        for tag in dict.fromkeys(tag for tag in tags if tag):
+            keys += self.agreement(tag).all()
+        return keys + [self.addr(rank) for rank in ranks]
 
 
 # ------------------------------------------------------------------ agree_on_lost (no watch)

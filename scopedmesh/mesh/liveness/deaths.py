@@ -1,10 +1,15 @@
 """The death record: which members a watch has learned are dead, and why; declared in the store.
 
-A death is declared once, by whoever sees it first: ``compare_set`` on
-``<prefix>/lost/<rank>``, then an entry ``rank:reason,`` on the list
-``<prefix>/lost`` and an ``add`` on the counter ``<prefix>/deaths``, which
-every watch polls. Learning a death (from a socket or from the store) records
-when and why, and hands the new deaths to whoever must act on them (the guard).
+A death is declared by one atomic write, whoever sees it: an entry
+``rank:reason,`` appended to the list ``<prefix>/lost`` (the first entry of a
+rank gives its reason; a second watcher's entry is a harmless duplicate).
+The declarer then adds 1 to the counter ``<prefix>/deaths``, a hint that every
+watch polls (one request an interval) and that tells it to read the list. A
+declarer that dies between its two writes leaves the hint short: every watch
+also reads the list every :data:`REREAD_EVERY` polls, so the death is learned
+a few intervals later, never lost. Learning a death (from a socket or from
+the store) records when and why, and hands the new deaths to whoever must act
+on them (the guard).
 
 >>> parse_deaths("3:closed,5:unreachable,")
 {3: 'closed', 5: 'unreachable'}
@@ -12,22 +17,27 @@ when and why, and hands the new deaths to whoever must act on them (the guard).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from scopedmesh.c10d.store import WatchKeys, read
 
-__all__ = ["CLOSED", "UNREACHABLE", "DeathRecord", "parse_deaths"]
+__all__ = ["CLOSED", "REREAD_EVERY", "UNREACHABLE", "DeathRecord", "parse_deaths"]
 
 CLOSED = "closed"  # why a rank is lost: its connection closed without a goodbye
 UNREACHABLE = "unreachable"  # why a rank is lost: its host stopped answering
+REREAD_EVERY = 25  # polls: how often the list of deaths is read whatever its counter says
 
 
 def parse_deaths(text: str) -> dict[int, str]:
-    """The store's list of deaths (``"3:closed,5:unreachable,"``) as rank -> reason."""
-    entries = (item.partition(":") for item in text.split(",") if item)
-    return {int(rank): reason for rank, _, reason in entries}
+    """The store's list of deaths (``"3:closed,5:unreachable,"``) as rank -> reason; the
+    first entry of a rank gives its reason."""
+    found: dict[int, str] = {}
+    for rank, _, reason in (item.partition(":") for item in text.split(",") if item):
+        found.setdefault(int(rank), reason)
+    return found
 
 
 class DeathRecord:
@@ -47,27 +57,32 @@ class DeathRecord:
         self.lost: frozenset[int] = frozenset()
         self.why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self.learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
+        self._polls = 0
+        self._lock = threading.Lock()  # both threads learn: no update may overwrite another
 
     def learn(self, dead: dict[int, str]) -> None:
-        """Learn the deaths in ``dead`` (rank -> reason); hand the new ones to ``on_new``."""
-        new = set(dead).difference(self.lost)
-        if not new:
-            return
-        now = time.time()
-        for rank in new:
-            self.learned[rank] = now
-            self.why[rank] = dead[rank]
-        self.lost = self.lost | new
+        """Learn the deaths in ``dead`` (rank -> reason); hand the new ones to ``on_new``.
+
+        Safe from both threads: the lost set is read and replaced under a lock,
+        and each death is handed over once.
+        """
+        with self._lock:
+            new = set(dead).difference(self.lost)
+            if not new:
+                return
+            now = time.time()
+            for rank in new:
+                self.learned[rank] = now
+                self.why[rank] = dead[rank]
+            self.lost = self.lost | new
         self.on_new(new)
 
     def declare(self, store: Any, rank: int, reason: str) -> None:
-        """Write ``rank``'s death and ``reason`` to the store (once, whoever sees it first),
-        so that the others learn it first; then learn it here, even if the store failed."""
-        me = f"{self.rank}:{reason}"
+        """Write ``rank``'s death and ``reason`` to the store (one append), so that the
+        others learn it first; then learn it here, even if the store failed."""
         try:
-            if store.compare_set(self.keys.lost_of(rank), "", me).decode() == me:
-                store.append(self.keys.lost, f"{rank}:{reason},")
-                store.add(self.keys.deaths, 1)
+            store.append(self.keys.lost, f"{rank}:{reason},")
+            store.add(self.keys.deaths, 1)
         finally:
             self.learn({rank: reason})
 
@@ -77,8 +92,10 @@ class DeathRecord:
         return self.lost
 
     def poll(self, store: Any, seen: int) -> int:
-        """Learn the store's deaths if its counter moved from ``seen``; the counter's value."""
+        """Learn the store's deaths if its counter moved from ``seen`` (one request; one
+        more then, and every :data:`REREAD_EVERY` polls); the counter's value."""
+        self._polls += 1
         count = int(store.add(self.keys.deaths, 0))
-        if count != seen:
-            self.learn(parse_deaths(store.get(self.keys.lost).decode()))
+        if count != seen or self._polls % REREAD_EVERY == 0:
+            self.read(store)
         return count

@@ -7,7 +7,8 @@ member's :class:`~scopedmesh.mesh.liveness.ring.Ring` (its sockets), its
 :class:`~scopedmesh.mesh.liveness.guard.Guard` of the meshes it aborts, and
 the :class:`~scopedmesh.mesh.liveness.agreement.Agreement` that :meth:`agree`
 runs. Every watch polls the store's death counter: **one store request per
-rank per** ``interval`` (50 a second per rank at the default 20 ms).
+rank per** ``interval`` (50 a second per rank at the default 20 ms), and
+reads the short list of deaths every 25 intervals.
 
 >>> LivenessWatch(interval=0)
 Traceback (most recent call last):
@@ -23,7 +24,8 @@ import selectors
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -32,13 +34,13 @@ import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
-from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys
+from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout import Axis
 from scopedmesh.layout.ints import is_int
 from scopedmesh.mesh.heal import reform
 from scopedmesh.mesh.liveness.agreement import Agreement
-from scopedmesh.mesh.liveness.deaths import UNREACHABLE, DeathRecord
+from scopedmesh.mesh.liveness.deaths import UNREACHABLE, DeathRecord, parse_deaths
 from scopedmesh.mesh.liveness.guard import Guard
 from scopedmesh.mesh.liveness.ring import UNREACHABLE_AFTER, Ring
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
@@ -83,6 +85,18 @@ def _check_members(ranks: Iterable[int] | None, host: object, store: object) -> 
     if rank not in members:
         raise ValueError(f"this rank ({rank}) must be one of ranks {shown(members)}")
     return members
+
+
+def _weakly(method: Callable[[str, BaseException], None]) -> Callable[[str, BaseException], None]:
+    """``method`` called through a weak reference: whoever holds the call keeps no watch alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(what: str, error: BaseException) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(what, error)
+
+    return call
 
 
 def key_names(prefix: str, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
@@ -135,6 +149,7 @@ class LivenessWatch:
         self._events = 0
         self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
         self._stopped = False  # whether the thread ended other than by close()
+        self._failure_lock = threading.Lock()  # the thread reports, a caller takes
         self._ring = Ring(
             self.rank,
             self.ranks,
@@ -142,7 +157,7 @@ class LivenessWatch:
             host=host,
             timeout=self._timeout,
             record=self._record,
-            report=self._report,
+            report=_weakly(self._report),  # the ring must not keep the watch alive
         )
         self._ring.store = base.clone()  # the watch thread's: never behind a caller's wait
         self._ring.store.set_timeout(self._timeout)
@@ -308,15 +323,20 @@ class LivenessWatch:
 
     def _run(self) -> None:
         """The thread: read the ring's sockets, poll the store; any failure is recorded
-        for the next query (:meth:`_check_thread`), never dropped."""
+        for the next query (:meth:`_check_thread`), never dropped.
+
+        Only a clean stop (:meth:`close` woke it) says goodbye to the peers. A thread
+        that crashed leaves the sockets open: to its peers the rank is alive while
+        its process runs, and its death is declared like any other.
+        """
         try:
             with selectors.DefaultSelector() as selector:  # epoll: any number of fds
                 self._loop(selector)
         except BaseException as error:  # the thread ends: say so in the next query
-            self._failure = ("stopped", error)
-            self._stopped = True
-        finally:
-            self._ring.shut(goodbye=True)
+            with self._failure_lock:
+                self._failure, self._stopped = ("stopped", error), True
+            return
+        self._ring.shut(goodbye=True)
 
     def _loop(self, selector: selectors.BaseSelector) -> None:
         ring, seen = self._ring, 0
@@ -335,27 +355,29 @@ class LivenessWatch:
                 self._guard.settle()
                 if ring.relink_due is not None:
                     ring.relink()
-                count = self._record.poll(ring.store, seen)
-                if count != seen:
-                    seen = count
-                    if ring.succ is not None and ring.succ[0] in self._record.lost:
-                        ring.relink()
+                seen = self._record.poll(ring.store, seen)
+                if ring.succ is not None and ring.succ[0] in self._record.lost:
+                    ring.relink()
             except Exception as error:  # keep watching (the store may come back); say so
                 self._report("failed while watching (it goes on)", error)
                 time.sleep(self._interval)
 
     def _report(self, what: str, error: BaseException) -> None:
         """Record a failure the thread survives, for the next query."""
-        self._failure = (what, error)
+        with self._failure_lock:
+            if not self._stopped:  # a stopped thread's failure stays the one reported
+                self._failure = (what, error)
 
     def _check_thread(self) -> None:
         """Raise what broke the watch's thread, naming it: always once it has stopped,
-        once per failure while it goes on."""
-        failure = self._failure
-        if failure is None or self._closed:
-            return
-        if not self._stopped:
-            self._failure = None
+        once per failure while it goes on (taken and cleared in one step, so a failure
+        reported meanwhile is raised next time, never dropped)."""
+        with self._failure_lock:
+            failure = self._failure
+            if failure is None or self._closed:
+                return
+            if not self._stopped:
+                self._failure = None
         what, error = failure
         raise RuntimeError(
             f"the liveness watch of rank {self.rank}: its thread {what}: "
@@ -405,6 +427,8 @@ class LivenessWatch:
             store.delete_key(self.keys.addr(self.rank))  # a late connector sees "left"
         self._ring.wake()
         self._thread.join(_time_left(deadline).total_seconds())
+        if self._stopped:  # the thread crashed and left the sockets open: leave cleanly
+            self._ring.shut(goodbye=True)
         self._guard.release(self)
         try:
             store.set_timeout(_time_left(deadline))
@@ -413,16 +437,28 @@ class LivenessWatch:
             self._store = self._ring.store = None  # closes both connections
 
     def _clean_up(self) -> None:
-        """The last member to close (the lost ones never will) deletes the watch's keys."""
+        """The last member to close (the lost ones never will) deletes the watch's keys.
+
+        Only the keys written, each once: the two counters, the lists of deaths
+        and tags if written, each agreement's three keys (its tag appears once
+        per member on the list: counted once), and the dead members' addresses
+        (the others deleted their own). O(keys written), never O(members x tags).
+        """
         store, keys = self._store, self.keys
-        closed = store.add(keys.closed, 1)
-        dead = store.add(keys.deaths, 0)
-        if closed + dead < len(self.ranks):
+        closed = int(store.add(keys.closed, 1))
+        deaths = read(store, keys.lost)
+        dead = sorted(set(parse_deaths(deaths or "")).intersection(self.ranks))
+        if closed + len(dead) < len(self.ranks):
             return
-        tags: list[str] = []
-        if store.check([keys.tags]):
-            tags = store.get(keys.tags).decode().split("\n")
-        for key in keys.all(self.ranks, tags):
+        tags = read(store, keys.tags)
+        doomed = [keys.closed, keys.deaths]
+        doomed += [
+            key for key, text in ((keys.lost, deaths), (keys.tags, tags)) if text is not None
+        ]
+        for tag in dict.fromkeys(tag for tag in (tags or "").split("\n") if tag):
+            doomed += keys.agreement(tag).all()
+        doomed += [keys.addr(rank) for rank in dead]
+        for key in doomed:
             store.delete_key(key)
 
     def __repr__(self) -> str:
