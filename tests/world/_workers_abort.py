@@ -1,0 +1,132 @@
+"""Workers for tests/world/test_abort.py: what a handle, a torch-made group and a backend
+say once a liveness watch has aborted their mesh.
+
+Rank 3 writes its pid to ``folder``; the test process SIGKILLs it from outside
+once rank 1 has written ``started`` (the collectives it checks are in flight).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.mesh.watch import LivenessWatch
+
+VICTIM = 3
+
+
+def _meet(store: Any, key: str, count: int, timeout: float = 60.0) -> None:
+    """Wait (polling, bounded) until ``key`` counts ``count`` arrivals; this rank arrives first."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while int(store.add(key, 0)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key}: {store.add(key, 0)} of {count} arrived")
+        time.sleep(0.002)
+
+
+def _until(condition: Any, what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition()`` until it holds; ``TimeoutError`` naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.005)
+
+
+def _be_killed(folder: Path) -> None:
+    """The victim: say where to send the signal, then wait for it (bounded)."""
+    import os
+
+    (folder / f"pid.{VICTIM}.tmp").write_text(str(os.getpid()))
+    (folder / f"pid.{VICTIM}.tmp").rename(folder / f"pid.{VICTIM}")
+    time.sleep(120)
+    raise TimeoutError("rank 3 was not killed within 120 s")
+
+
+def _said(call: Any) -> str:
+    """What ``call()`` did: ``"returned <value>"`` or ``"<ErrorType>: <message>"``."""
+    try:
+        return f"returned {call()!r}"
+    except Exception as error:  # the answer is the point
+        cause = error.__cause__
+        chained = f" [from {type(cause).__name__}]" if cause is not None else ""
+        return f"{type(error).__name__}: {str(error)[:300]}{chained}"
+
+
+def _report(handle: Any, buffer: Any) -> dict[str, Any]:
+    """How ``handle`` (a collective's work) reports itself, and what ``buffer`` holds."""
+    return {
+        "wait": _said(handle.wait),
+        "is_success": _said(handle.is_success),
+        "is_completed": _said(handle.is_completed),
+        "future": _said(lambda: [t.tolist() for t in handle.get_future().wait()]),
+        "buffer": buffer.flatten().tolist(),
+    }
+
+
+def kept_handles(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """A guarded 2 x 2 (dp, tp) mesh; rank 3 is SIGKILLed by the test process while rank
+    1 has collectives in flight that need it: an all_reduce and an all_gather on dp
+    [1, 3], an all_reduce on a group its sub-mesh formed, one on a group its view
+    formed, and a functional all_reduce through the DeviceMesh handed to torch. Rank 1
+    also keeps the handle of a tp all_reduce with rank 0 that completed before.
+
+    Once its watch has aborted the mesh and the groups have settled (the watch's
+    work; called here too, so that the report does not race it), rank 1 reports
+    what each handle says.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    here = Path(folder)
+    store = _c10d.default_store()
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    mesh = watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=60))
+    dp, tp = mesh.get_group_along_axis("dp"), mesh.get_group_along_axis("tp")
+    sub = mesh.submesh("dp", "tp").__enter__()
+    both = sub.get_group_along_axis(("dp", "tp"))  # ranks 0..3, first formed through the sub-mesh
+    view = mesh.view(4, names=("all",))
+    ends = view.get_group_along_axis("all", indices_at_axis=[1, 2, 3])  # None on rank 0
+    device_mesh = mesh.to_device_mesh("cpu")
+    out: dict[str, Any] = {"rank": rank}
+    if rank in (0, 1):
+        done = torch.ones(2)
+        kept = dist.all_reduce(done, group=tp, async_op=True)
+        _until(kept.is_completed, "the tp all_reduce to complete")
+    _meet(store, "abort/formed", world)
+    if rank == VICTIM:
+        _be_killed(here)
+    if rank == 1:
+        ones = [torch.ones(2) for _ in range(4)]
+        gathered = torch.zeros(4)
+        works = {  # name -> (work, the buffer it writes)
+            "dp all_reduce": (dist.all_reduce(ones[0], group=dp, async_op=True), ones[0]),
+            "dp all_gather": (
+                dist.all_gather_into_tensor(gathered, torch.ones(2), group=dp, async_op=True),
+                gathered,
+            ),
+            "sub-mesh": (dist.all_reduce(ones[1], group=both, async_op=True), ones[1]),
+            "view": (dist.all_reduce(ones[2], group=ends, async_op=True), ones[2]),
+        }
+        reduced = funcol.all_reduce(ones[3], "sum", (device_mesh, 0))
+        (here / "started").write_text("1")
+    _until(lambda: watch.aborted_at(VICTIM) is not None, "the watch to abort the mesh")
+    if rank == 1:
+        groups = [g for g in mesh._table.groups() if hasattr(g, "settle")]
+        _until(lambda: all(w.is_completed() for w, _ in works.values()), "the collectives to end")
+        _until(lambda: all(g.settle() for g in groups), "the groups to settle")
+        out["reports"] = {name: _report(work, buffer) for name, (work, buffer) in works.items()}
+        out["reports"]["completed before"] = _report(kept, done)
+        out["torch"] = _said(lambda: reduced.wait().tolist())
+    out["lost"] = sorted(watch.lost())
+    sub.close()
+    view.close()
+    mesh.close()
+    watch.close()
+    return out
