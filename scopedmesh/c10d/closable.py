@@ -30,7 +30,15 @@ import torch.distributed as dist
 
 from scopedmesh.errors import MeshClosedError
 
-__all__ = ["BACKEND", "ClosableGroup", "Handle", "make_closable_gloo", "register", "supported"]
+__all__ = [
+    "BACKEND",
+    "ClosableGroup",
+    "HandedOutBackend",
+    "Handle",
+    "make_closable_gloo",
+    "register",
+    "supported",
+]
 
 # The name of the backend in torch's registry. torch records it for the group;
 # new_member_group replaces that record with "gloo", which is what the group is.
@@ -469,8 +477,11 @@ class ClosableGroup(dist.ProcessGroup):
     def _device_types(self) -> list[torch.device]:
         return [torch.device("cpu")]
 
-    def _get_backend(self, device: torch.device) -> Any:
-        return self.inner()._get_backend(device)
+    def _get_backend(self, device: torch.device) -> Any:  # a HandedOutBackend
+        """The gloo backend for ``device``, as a stand-in that is refused once the group is
+        shut down (:class:`HandedOutBackend`); torch's error for a device it lacks."""
+        self.inner()._get_backend(device)  # RuntimeError for a device it has no backend for
+        return HandedOutBackend(self, device)
 
     def _start_coalescing(self, device: torch.device) -> None:
         self.inner()._start_coalescing(device)
@@ -490,6 +501,49 @@ class ClosableGroup(dist.ProcessGroup):
 
     # The C++ names too: torch's trampoline looks those up.
     splitGroup = merge_remote_group = mergeRemoteGroup = split_group
+
+
+class HandedOutBackend:
+    """A :class:`ClosableGroup`'s gloo backend as ``_get_backend`` hands it out.
+
+    Every attribute is looked up on the group's gloo backend at the moment of
+    use, and its operations count as in flight on the group (their works are
+    :class:`Handle` s), so it holds no socket of its own and is refused, with
+    :class:`~scopedmesh.errors.MeshClosedError`, once the group is shut down
+    (closed with its mesh, or aborted). torch's own callers (FSDP2's
+    ``ProcessGroupAllocMixin``, ``_time_estimator``, ``shrink_group``) read
+    attributes of it; gloo's backend itself, kept by a caller, would keep the
+    group's connections open and go on communicating after an abort.
+    """
+
+    __slots__ = ("_device", "_group")
+
+    def __init__(self, group: ClosableGroup, device: torch.device) -> None:
+        self._group = group
+        self._device = device
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._group.inner()._get_backend(self._device), name)
+        if not callable(attribute):
+            return attribute
+        del attribute  # the backend itself: not kept past this call
+        group, device = self._group, self._device
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            inner = group._enter()  # counted as in flight until its work is recorded
+            result = None
+            try:
+                result = getattr(inner._get_backend(device), name)(*args, **kwargs)
+            finally:
+                del inner  # a traceback through this frame must not keep the group
+                result = group._leave(result)
+            return result
+
+        call.__name__ = name
+        return call
+
+    def __repr__(self) -> str:
+        return f"<gloo backend of {self._group!r}>"
 
 
 def _forward(name: str) -> Any:

@@ -130,3 +130,59 @@ def kept_handles(rank: int, world: int, folder: str) -> dict[str, Any]:
     mesh.close()
     watch.close()
     return out
+
+
+def torch_made_groups(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """A guarded 2 x 1 x 2 (dp, x, tp) mesh and its DeviceMesh. Before rank 3 is killed,
+    torch makes groups for ``_flatten`` (x, tp: ranks [0, 1] and [2, 3]) and for
+    ``_unflatten`` (tp into (1, 2)), and each rank takes the tp group's gloo backend
+    (``_get_backend``). Rank 1 starts an all_reduce on its flatten group that rank 0
+    never joins; the test process then kills rank 3.
+
+    Once its watch has aborted the mesh, rank 1 reports how its blocked all_reduce
+    ended (or that it was still blocked 20 s later); ranks 0 and 1 run an all_reduce
+    on the unflatten group and one through the backend they kept; rank 2 one on its
+    flatten group (with the dead rank 3).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    here = Path(folder)
+    store = _c10d.default_store()
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    mesh = watch.guard(ProcessGroupMesh(2, 1, 2, names=("dp", "x", "tp"), timeout=60))
+    device_mesh = mesh.to_device_mesh("cpu")
+    flat = device_mesh["x", "tp"]._flatten("xtp").get_group()
+    unflat = device_mesh["tp"]._unflatten(0, (1, 2), ("u1", "u2"))["u2"].get_group()
+    backend = mesh.get_group_along_axis("tp")._get_backend(torch.device("cpu"))
+    out: dict[str, Any] = {"rank": rank, "flat_type": type(flat).__name__}
+    before = torch.ones(1)
+    dist.all_reduce(before, group=flat)
+    dist.all_reduce(before, group=unflat)
+    backend.allreduce([before]).wait()
+    out["before"] = before.item()  # 1 -> 2 -> 4 -> 8: every path worked
+    _meet(store, "abort/formed", world)
+    if rank == VICTIM:
+        _be_killed(here)
+    if rank == 1:
+        blocked = dist.all_reduce(torch.ones(1), group=flat, async_op=True)
+        (here / "started").write_text("1")
+    _until(lambda: watch.aborted_at(VICTIM) is not None, "the watch to abort the mesh")
+    if rank == 1:
+        try:
+            _until(blocked.is_completed, "the blocked all_reduce to end", timeout=20.0)
+            out["blocked"] = _said(blocked.wait)
+        except TimeoutError:
+            out["blocked"] = "still blocked 20 s after the abort"
+            return out  # closing would wait for it
+    if rank in (0, 1):
+        out["unflatten later"] = _said(lambda: dist.all_reduce(torch.ones(1), group=unflat))
+        out["backend later"] = _said(lambda: backend.allreduce([torch.ones(1)]).wait())
+    if rank == 2:
+        out["flatten later"] = _said(lambda: dist.all_reduce(torch.ones(1), group=flat))
+    out["lost"] = sorted(watch.lost())
+    mesh.close()
+    watch.close()
+    return out

@@ -88,3 +88,31 @@ def test_a_kept_handle_of_a_collective_the_abort_cut_short_never_reports_success
     assert kept["wait"] == "returned True", kept
     assert kept["is_success"] == "returned True", kept
     assert kept["future"] == "returned [[2.0, 2.0]]" and kept["buffer"] == [2.0, 2.0], kept
+
+
+@needs_interrupt
+@pytest.mark.fault  # a slow lane: .ci/run runs it
+def test_groups_torch_made_and_a_backend_handed_out_are_shut_down_by_the_abort(
+    tmp_path: Path,
+) -> None:
+    """Issue 32, item 9. Groups torch made for a scoped DeviceMesh's ``_flatten`` and
+    ``_unflatten`` before the abort are closable and shut down with the mesh's own: a
+    collective blocked on one raises once the abort closes the peer's side, and later
+    ones raise ``MeshClosedError``. A gloo backend from ``_get_backend`` taken before
+    the abort is refused after it (it used to go on communicating)."""
+    import _workers_abort
+
+    results = _run(_workers_abort.torch_made_groups, tmp_path, "started", seed=9)
+    for rank in (0, 1, 2):
+        out = results[rank]
+        assert out["lost"] == [3], out
+        assert out["before"] == 8.0 and out["flat_type"] == "ClosableGroup", out
+    blocked = results[1]["blocked"]
+    assert "rank(s) [3] died" in blocked or "Connection closed" in blocked, blocked
+    for rank in (0, 1):
+        for what in ("unflatten later", "backend later"):
+            answer = results[rank][what]
+            assert answer.startswith("MeshClosedError"), (rank, what, answer)
+            assert "rank(s) [3] died" in answer, (rank, what, answer)
+    answer = results[2]["flatten later"]
+    assert answer.startswith("MeshClosedError") and "rank(s) [3] died" in answer, answer
