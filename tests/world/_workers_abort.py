@@ -186,3 +186,35 @@ def torch_made_groups(rank: int, world: int, folder: str) -> dict[str, Any]:
     mesh.close()
     watch.close()
     return out
+
+
+def closable_flatten_and_backend(rank: int, world: int) -> dict[str, Any]:
+    """Without a death: what torch makes for a scoped DeviceMesh, and what ``_get_backend``
+    hands out, before and after the mesh closes (2 ranks, a 1 x 2 mesh)."""
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    out: dict[str, Any] = {}
+    with ProcessGroupMesh(1, 2, names=("a", "b")) as mesh:
+        device_mesh = mesh.to_device_mesh("cpu")
+        flat = device_mesh["a", "b"]._flatten("ab").get_group()
+        unflat = device_mesh["b"]._unflatten(0, (1, 2), ("u1", "u2"))["u2"].get_group()
+        out["types"] = [type(flat).__name__, type(unflat).__name__]
+        total = torch.ones(1)
+        dist.all_reduce(total, group=flat)
+        dist.all_reduce(total, group=unflat)
+        backend = mesh.get_group_along_axis("b")._get_backend(torch.device("cpu"))
+        work = backend.allreduce([total])
+        out["work"] = type(work).__name__
+        work.wait()
+        out["total"] = total.item()  # 1 -> 2 -> 4 -> 8
+        out["timeout"] = backend.options._timeout.total_seconds()
+        out["no cuda"] = _said(
+            lambda: mesh.get_group_along_axis("b")._get_backend(torch.device("cuda"))
+        )
+    out["backend after"] = _said(lambda: backend.allreduce([torch.ones(1)]))
+    out["flat after"] = _said(lambda: dist.all_reduce(torch.ones(1), group=flat))
+    out["work after"] = [_said(work.wait), _said(work.is_success)]
+    return out

@@ -116,3 +116,24 @@ def test_groups_torch_made_and_a_backend_handed_out_are_shut_down_by_the_abort(
             assert "rank(s) [3] died" in answer, (rank, what, answer)
     answer = results[2]["flatten later"]
     assert answer.startswith("MeshClosedError") and "rank(s) [3] died" in answer, answer
+
+
+@needs_interrupt
+def test_torch_made_groups_are_closable_and_a_handed_out_backend_closes_with_its_mesh() -> None:
+    """Pins what item 9's fix relies on, in the default lane: torch makes a scoped
+    DeviceMesh's ``_flatten``/``_unflatten`` groups on the closable backend we pass as
+    ``backend_override``; the backend ``_get_backend`` hands out works while its group
+    is open (its works are handles), is refused once the mesh has closed, and a
+    collective that completed before still reports success."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    for out in run_world(_workers_abort.closable_flatten_and_backend, 2, timeout=120):
+        assert out["types"] == ["ClosableGroup", "ClosableGroup"], out
+        assert out["work"] == "Handle" and out["total"] == 8.0, out
+        assert out["timeout"] > 0, out
+        assert out["no cuda"].startswith("RuntimeError"), out  # torch's, for a missing device
+        assert out["backend after"].startswith("MeshClosedError"), out
+        assert out["flat after"].startswith(("MeshClosedError", "ValueError")), out
+        assert out["work after"] == ["returned True", "returned True"], out
