@@ -218,3 +218,35 @@ def closable_flatten_and_backend(rank: int, world: int) -> dict[str, Any]:
     out["flat after"] = _said(lambda: dist.all_reduce(torch.ones(1), group=flat))
     out["work after"] = [_said(work.wait), _said(work.is_success)]
     return out
+
+
+def interrupted_in_flight(rank: int, world: int) -> dict[str, Any]:
+    """Two ranks, no watch: rank 1's all_reduce is in flight (rank 0 never joins) when both
+    interrupt their group; rank 0's closes at once, so rank 1's fails, and its group is
+    settled. Rank 1 reports its handle, and one kept from a completed all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    store = _c10d.default_store()
+    out: dict[str, Any] = {}
+    with ProcessGroupMesh(2, names=("tp",), timeout=60) as mesh:
+        group = mesh.get_group_along_axis("tp")
+        done = torch.ones(1)
+        kept = dist.all_reduce(done, group=group, async_op=True)
+        _until(kept.is_completed, "the first all_reduce to complete")
+        if rank == 1:
+            cut = dist.all_reduce(torch.ones(1), group=group, async_op=True)
+            future = cut.get_future()  # taken while in flight, as DDP does
+            out["held"] = not group.interrupt("when the test interrupted it")
+        _meet(store, "inflight/started", world)
+        if rank == 0:
+            group.interrupt("when the test interrupted it")
+        else:
+            _until(cut.is_completed, "the cut-short all_reduce to end")
+            _until(group.settle, "the group to settle")
+            out["cut"] = _report(cut, torch.zeros(1))
+            out["cut future taken before"] = _said(future.wait)
+            out["kept"] = _report(kept, done)
+    return out

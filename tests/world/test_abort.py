@@ -137,3 +137,29 @@ def test_torch_made_groups_are_closable_and_a_handed_out_backend_closes_with_its
         assert out["backend after"].startswith("MeshClosedError"), out
         assert out["flat after"].startswith(("MeshClosedError", "ValueError")), out
         assert out["work after"] == ["returned True", "returned True"], out
+
+
+@needs_interrupt
+def test_a_collective_cut_short_by_an_interrupt_never_reports_success() -> None:
+    """Item 1's mechanism in the default lane: a handle whose collective was in flight
+    when its group was interrupted, and failed, reports that failure for good once the
+    group has settled (it used to say True); its future, taken while in flight, holds
+    gloo's error; a handle of a collective that completed before still reports success."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    out = run_world(_workers_abort.interrupted_in_flight, 2, timeout=120)[1]
+    assert out["held"], out  # busy when interrupted: held until it ended
+    cut = out["cut"]
+    assert cut["wait"].startswith("MeshClosedError"), out
+    assert "when the test interrupted it" in cut["wait"], out
+    # the future, taken while in flight, failed before the group let go of the work:
+    # it holds gloo's error, as torch's future would
+    assert cut["future"] == out["cut future taken before"], out
+    assert out["cut future taken before"].startswith("RuntimeError"), out
+    assert "[from " in cut["wait"], out  # chained to gloo's error
+    assert cut["is_success"] == "returned False", out
+    kept = out["kept"]
+    assert kept["wait"] == kept["is_success"] == "returned True", out
+    assert kept["future"] == "returned [[2.0]]", out
