@@ -112,7 +112,7 @@ class Handle(dist.Work):
     ``True``, its future holds the result); any other never will. Its ``wait``
     raises :class:`~scopedmesh.errors.MeshClosedError` saying why the group was
     shut down (chained to gloo's error, where gloo had one), ``is_success`` is
-    False and its future holds that error, so a buffer the collective left
+    False and its future never resolves as a success, so a buffer the collective left
     half-written is never passed off as its result.
     """
 
