@@ -30,7 +30,15 @@ import torch.distributed as dist
 
 from scopedmesh.errors import MeshClosedError
 
-__all__ = ["BACKEND", "ClosableGroup", "Handle", "make_closable_gloo", "register", "supported"]
+__all__ = [
+    "BACKEND",
+    "ClosableGroup",
+    "HandedOutBackend",
+    "Handle",
+    "make_closable_gloo",
+    "register",
+    "supported",
+]
 
 # The name of the backend in torch's registry. torch records it for the group;
 # new_member_group replaces that record with "gloo", which is what the group is.
@@ -98,14 +106,21 @@ class Handle(dist.Work):
     long as the caller handles it (say, while it heals inside its ``except``
     block). So the handle lets go of the work once a wait on it has failed, and
     whenever its group closes (:meth:`ClosableGroup.release`, :meth:`~ClosableGroup.settle`).
-    A handle let go of is completed: ``wait`` returns ``True`` (or raises again,
-    if the collective failed) and ``get_future`` gives the future it gave before.
+
+    A handle let go of is completed, and reports the collective as it stood
+    then: one that had completed successfully still does (``wait`` returns
+    ``True``, its future holds the result); any other never will. Its ``wait``
+    raises :class:`~scopedmesh.errors.MeshClosedError` saying why the group was
+    shut down (chained to gloo's error, where gloo had one), ``is_success`` is
+    False and its future never resolves as a success, so a buffer the collective left
+    half-written is never passed off as its result.
     """
 
     def __init__(self, work: dist.Work) -> None:
         super().__init__()
         self._work: dist.Work | None = work
-        self._future: Any = None
+        self._verdict = _Verdict()  # how it ended, once that is decided (shared with the future)
+        self._future: Any = None  # the future given out, if any
         self._failure = ""  # "<type>: <message>" of the failed wait that let go of the work
 
     def busy(self) -> bool:
@@ -113,9 +128,15 @@ class Handle(dist.Work):
         work = self._work
         return work is not None and not work.is_completed()
 
-    def let_go(self) -> None:
-        """Drop gloo's work (and with it this handle's hold on the group's connections)."""
-        self._work = None
+    def let_go(self, because: str = "its process group was shut down") -> None:
+        """Drop gloo's work (and with it this handle's hold on the group's connections).
+
+        ``because`` says why, for a collective that had not completed successfully.
+        """
+        work, self._work = self._work, None
+        if work is not None:
+            self._verdict.decide(work, because)
+        del work  # the last reference may be this frame's: gloo's work goes here
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:  # torch's default
         """Wait for the collective; on failure, let go of the work, then raise."""
@@ -123,9 +144,10 @@ class Handle(dist.Work):
         if work is None:
             if self._failure:
                 raise RuntimeError(f"this collective failed earlier: {self._failure}")
+            self._verdict.check()
             return True
         try:
-            return bool(work.wait(timeout))
+            done = bool(work.wait(timeout))
         except BaseException as error:
             if work.is_completed():  # failed, not merely timed out: nothing is in flight
                 self._failure = f"{type(error).__name__}: {error}"
@@ -133,6 +155,8 @@ class Handle(dist.Work):
             raise
         finally:
             del work  # the traceback keeps this frame: it must not keep the work
+        self._verdict.check()  # let go of (its group closed) while this thread waited
+        return done
 
     def is_completed(self) -> bool:
         """Whether the collective has ended (a handle let go of has)."""
@@ -140,19 +164,28 @@ class Handle(dist.Work):
         return work is None or work.is_completed()
 
     def is_success(self) -> bool:
-        """Whether the collective ended without an error (a handle let go of: as it ended)."""
+        """Whether the collective ended without an error (let go of: whether it had)."""
         work = self._work
-        return not self._failure if work is None else work.is_success()
+        if work is None:
+            return not self._failure and self._verdict.error is None
+        return work.is_success()
 
     def exception(self) -> Any:
-        """gloo's error, while the work is held; None once let go of."""
+        """gloo's error while the work is held; once let go of, why it did not succeed."""
         work = self._work
-        return None if work is None else work.exception()
+        return self._verdict.error if work is None else work.exception()
 
     def get_future(self) -> Any:
-        """The collective's future (the same one after the work is let go of)."""
+        """A future of the collective's result that resolves as :meth:`wait` reports it.
+
+        Once let go of, the future holds the error a later ``wait`` raises,
+        even if gloo's own future ends well after the group was shut down.
+        """
         if self._future is None:
-            self._future = self._held().get_future()
+            work = self._work
+            if work is None and not self._verdict.decided:
+                work = self._held()  # let go of after a failed wait: nothing to tell
+            self._future = self._verdict.future(work)
         return self._future
 
     def result(self) -> list[torch.Tensor]:
@@ -177,6 +210,96 @@ class Handle(dist.Work):
                 + (f": {self._failure}" if self._failure else "")
             )
         return work
+
+
+class _Verdict:
+    """How a collective ended, as its :class:`Handle` reports it once gloo's work is gone.
+
+    Decided once, by whichever comes first: the handle letting go of the work
+    (:meth:`decide`), or gloo's future ending (the callback of :meth:`future`).
+    It holds no gloo work (gloo's future keeps the callback, and so this),
+    only the result or the error.
+    """
+
+    __slots__ = ("decided", "error", "lock", "value")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.decided = False
+        self.error: BaseException | None = None  # why it did not succeed
+        self.value: Any = None  # gloo's future, done, if it succeeded before being let go of
+
+    def decide(self, work: dist.Work, because: str) -> None:
+        """Decide from ``work`` as it stands: completed successfully, or failed ``because``."""
+        ended, cause = _ending(work)
+        with self.lock:
+            if self.decided:
+                return
+            self.decided = True
+            if ended:
+                self.value = work.get_future()
+                return
+            error = MeshClosedError(
+                f"this collective did not complete: {because}; its output buffers hold no "
+                "result (re-form the survivors' mesh and run it again)"
+            )
+            error.__cause__ = cause
+            self.error = error
+
+    def check(self) -> None:
+        """Raise the error that ended the collective, if it was decided that one did."""
+        error = self.error
+        if error is not None:
+            raise MeshClosedError(str(error)) from error.__cause__
+
+    def future(self, work: dist.Work | None) -> Any:
+        """A future that resolves as the handle reports: from gloo's while ``work`` is held."""
+        source = self.value if work is None else work.get_future()
+        if source is None:  # decided as failed before the future was asked for
+            failed: Any = torch.futures.Future()
+            failed.set_exception(self.failure())
+            return failed
+        return source.then(self._resolve)
+
+    def failure(self) -> MeshClosedError:
+        """A fresh copy of the error (each raise gets its own traceback)."""
+        error = self.error
+        if error is None:
+            raise RuntimeError("no failure was decided")  # internal: callers check first
+        copy = MeshClosedError(str(error))
+        copy.__cause__ = error.__cause__
+        return copy
+
+    def _resolve(self, source: Any) -> Any:
+        """gloo's future ended: its value, unless the collective was decided failed first.
+
+        Success decides (a later let-go keeps it); gloo's error does not: it
+        reaches this future as is, and a later let-go words it as :meth:`decide` does.
+        """
+        if self.error is not None:
+            raise self.failure()
+        value = source.value()  # raises gloo's error if its collective failed
+        with self.lock:
+            if not self.decided:
+                self.decided, self.value = True, source
+            elif self.error is not None:  # decided failed meanwhile: the handle says so
+                raise self.failure()
+        return value
+
+
+def _ending(work: dist.Work) -> tuple[bool, BaseException | None]:
+    """(True, None) if ``work`` completed successfully; else (False, gloo's error or None).
+
+    ``wait`` on a completed work returns at once, or raises its error (torch's
+    ``exception`` and ``is_success`` are deprecated and warn).
+    """
+    if not work.is_completed():
+        return False, None
+    try:
+        work.wait()
+    except Exception as error:
+        return False, error.with_traceback(None)  # this frame holds the work: drop it
+    return True, None
 
 
 class ClosableGroup(dist.ProcessGroup):
@@ -227,7 +350,7 @@ class ClosableGroup(dist.ProcessGroup):
             inner, held = self._inner, self._held
             self._inner = self._held = None
         for handle in handles:
-            handle.let_go()
+            handle.let_go(self._shut_down())
         del inner, held  # the last references: gloo closes its sockets here
 
     def interrupt(self, because: str) -> bool:
@@ -252,7 +375,7 @@ class ClosableGroup(dist.ProcessGroup):
                 return False
             handles, self._handles = list(self._given), []
         for handle in handles:
-            handle.let_go()
+            handle.let_go(self._shut_down())
         del inner  # nothing in flight: the last reference, gloo closes its sockets here
         return True
 
@@ -276,9 +399,13 @@ class ClosableGroup(dist.ProcessGroup):
             self._held = None
             handles, self._handles = list(self._given), []
         for handle in handles:
-            handle.let_go()
+            handle.let_go(self._shut_down())
         del held  # the last reference: gloo closes its sockets here
         return True
+
+    def _shut_down(self) -> str:
+        """Why a collective cut short by the shutdown did not complete."""
+        return f"process group {self._name!r} was shut down {self._released_because}"
 
     def busy(self) -> bool:
         """Whether a collective on this group is in flight (or being started)."""
@@ -350,8 +477,11 @@ class ClosableGroup(dist.ProcessGroup):
     def _device_types(self) -> list[torch.device]:
         return [torch.device("cpu")]
 
-    def _get_backend(self, device: torch.device) -> Any:
-        return self.inner()._get_backend(device)
+    def _get_backend(self, device: torch.device) -> Any:  # a HandedOutBackend
+        """The gloo backend for ``device``, as a stand-in that is refused once the group is
+        shut down (:class:`HandedOutBackend`); torch's error for a device it lacks."""
+        self.inner()._get_backend(device)  # RuntimeError for a device it has no backend for
+        return HandedOutBackend(self, device)
 
     def _start_coalescing(self, device: torch.device) -> None:
         self.inner()._start_coalescing(device)
@@ -371,6 +501,49 @@ class ClosableGroup(dist.ProcessGroup):
 
     # The C++ names too: torch's trampoline looks those up.
     splitGroup = merge_remote_group = mergeRemoteGroup = split_group
+
+
+class HandedOutBackend:
+    """A :class:`ClosableGroup`'s gloo backend as ``_get_backend`` hands it out.
+
+    Every attribute is looked up on the group's gloo backend at the moment of
+    use, and its operations count as in flight on the group (their works are
+    :class:`Handle` s), so it holds no socket of its own and is refused, with
+    :class:`~scopedmesh.errors.MeshClosedError`, once the group is shut down
+    (closed with its mesh, or aborted). torch's own callers (FSDP2's
+    ``ProcessGroupAllocMixin``, ``_time_estimator``, ``shrink_group``) read
+    attributes of it; gloo's backend itself, kept by a caller, would keep the
+    group's connections open and go on communicating after an abort.
+    """
+
+    __slots__ = ("_device", "_group")
+
+    def __init__(self, group: ClosableGroup, device: torch.device) -> None:
+        self._group = group
+        self._device = device
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._group.inner()._get_backend(self._device), name)
+        if not callable(attribute):
+            return attribute
+        del attribute  # the backend itself: not kept past this call
+        group, device = self._group, self._device
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            inner = group._enter()  # counted as in flight until its work is recorded
+            result = None
+            try:
+                result = getattr(inner._get_backend(device), name)(*args, **kwargs)
+            finally:
+                del inner  # a traceback through this frame must not keep the group
+                result = group._leave(result)
+            return result
+
+        call.__name__ = name
+        return call
+
+    def __repr__(self) -> str:
+        return f"<gloo backend of {self._group!r}>"
 
 
 def _forward(name: str) -> Any:

@@ -137,10 +137,19 @@ class ScopedDeviceMesh(DeviceMesh):
 
     def _flatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
         self._check_open()
+        backend = _closable_backend(self)
+        if backend is not None:  # torch's (mesh_dim_name, backend_override)
+            args, kwargs = _overriding(args, kwargs, 1, lambda given: _closable(given, backend))
         return _bind(_adopting(self._lifetime, super()._flatten, *args, **kwargs), self._lifetime)
 
     def _unflatten(self, *args: Any, **kwargs: Any) -> DeviceMesh:
         self._check_open()
+        backend = _closable_backend(self)
+        if backend is not None:  # torch's (dim, mesh_sizes, mesh_dim_names, backend_override)
+            names = args[2] if len(args) > 2 else kwargs.get("mesh_dim_names", ())
+            args, kwargs = _overriding(
+                args, kwargs, 3, lambda given: _closable_per_name(given, names, backend)
+            )
         unflat = _adopting(self._lifetime, super()._unflatten, *args, **kwargs)
         return _bind(unflat, self._lifetime)
 
@@ -225,6 +234,56 @@ def _bind(mesh: DeviceMesh, lifetime: Lifetime) -> DeviceMesh:
     if isinstance(mesh, ScopedDeviceMesh) and _LIFETIME not in mesh.__dict__:
         mesh.__dict__[_LIFETIME] = lifetime
     return mesh
+
+
+def _closable_backend(mesh: DeviceMesh) -> str | None:
+    """The closable gloo backend's name if ``mesh`` runs on CPU over closable gloo groups only.
+
+    A group torch makes for such a mesh (``_flatten``, ``_unflatten``) is then made
+    closable too, so that an abort of the mesh's table shuts it down like the
+    mesh's own (:meth:`GroupTable.adopt <scopedmesh.mesh.group_table.GroupTable.adopt>`).
+    """
+    closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded with the first gloo group
+    if closable is None or mesh.device_type != "cpu":
+        return None
+    if not all(isinstance(group, closable.ClosableGroup) for group in mesh.get_all_groups()):
+        return None
+    name: str = closable.BACKEND
+    return name
+
+
+def _closable(given: Any, backend: str) -> Any:
+    """``backend`` where torch would make a plain gloo group (no override, or ``"gloo"``).
+
+    >>> _closable(None, "scopedmesh_gloo"), _closable("gloo", "x"), _closable("nccl", "x")
+    ('scopedmesh_gloo', 'x', 'nccl')
+    """
+    return backend if given is None or (isinstance(given, str) and given == "gloo") else given
+
+
+def _closable_per_name(given: Any, names: Any, backend: str) -> dict[Any, Any]:
+    """``_unflatten``'s per-dim overrides, with :func:`_closable` for each of ``names``.
+
+    >>> _closable_per_name({1: "nccl"}, ("dp", "tp"), "x")
+    {1: 'nccl', 'dp': 'x'}
+    """
+    chosen = dict(given or {})
+    for index, name in enumerate(names):
+        key = name if name in chosen else index if index in chosen else None
+        if key is None:
+            chosen[name] = backend
+        else:
+            chosen[key] = _closable(chosen[key], backend)
+    return chosen
+
+
+def _overriding(
+    args: tuple[Any, ...], kwargs: dict[str, Any], position: int, change: Callable[[Any], Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with torch's ``backend_override`` (at ``position``) changed."""
+    if len(args) > position:
+        return (*args[:position], change(args[position]), *args[position + 1 :]), kwargs
+    return args, {**kwargs, "backend_override": change(kwargs.get("backend_override"))}
 
 
 def _adopting(

@@ -68,6 +68,7 @@ class GroupTable:
     """
 
     __slots__ = (
+        "_adopted",
         "_entries",
         "_recorded",
         "aborted",
@@ -81,6 +82,7 @@ class GroupTable:
 
     def __init__(self, grace: timedelta | None = None) -> None:
         self._entries: dict[GroupKey, Entry] = {}
+        self._adopted: list[dist.ProcessGroup] = []  # groups torch made for the table's scopes
         self._recorded = False  # whether this rank's process record is in the store
         self.grace = grace  # how long a member waits before it tells its peers what it waits for
         self.liveness: Liveness | None = None
@@ -163,6 +165,15 @@ class GroupTable:
         for entry in list(self._entries.values()):
             entry.alive = False  # the mesh's cached lookups go the slow way, which refuses
             _interrupt(entry.group, self.aborted)
+        for group in list(self._adopted):  # torch's, for a DeviceMesh's _flatten/_unflatten
+            _interrupt(group, self.aborted)
+
+    def adopt(self, group: dist.ProcessGroup) -> None:
+        """Shut ``group`` (made by torch for a scope of this table) down with the table's own
+        on :meth:`abort`; :meth:`destroy` forgets it. Safe from any thread, as ``abort`` is."""
+        self._adopted.append(group)
+        if self.aborted:  # aborted while torch made it
+            _interrupt(group, self.aborted)
 
     def check_not_aborted(self, what: object) -> None:
         """Raise :class:`MeshClosedError` naming ``what`` once the table is aborted."""
@@ -193,6 +204,8 @@ class GroupTable:
         order given; no communication. Returns the failures, first first."""
         errors: list[Exception] = []
         for group in groups:
+            if group in self._adopted:
+                self._adopted.remove(group)
             try:
                 _c10d.destroy(group)
             except Exception as error:  # keep going: the other groups must still go
@@ -200,12 +213,14 @@ class GroupTable:
         return errors
 
     def groups(self) -> list[dist.ProcessGroup]:
-        """The registered groups, oldest first, without taking :attr:`lock`.
+        """The registered groups, oldest first, then those torch made for the table's scopes
+        (:meth:`adopt`), without taking :attr:`lock`.
 
         For a liveness watch's thread, which must not wait for a formation that
         holds the lock (copying the registry is atomic under the GIL).
         """
-        return [entry.group for entry in list(self._entries.values()) if entry.group is not None]
+        own = [entry.group for entry in list(self._entries.values()) if entry.group is not None]
+        return own + list(self._adopted)
 
 
 def _interrupt(group: dist.ProcessGroup | None, because: str) -> None:

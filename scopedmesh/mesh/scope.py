@@ -99,6 +99,7 @@ class Scope:
                 self.table.destroy([group])
             else:
                 self.adopted.append(group)
+                self.table.adopt(group)  # an abort shuts it down with the table's own
 
     def check_open(self, owner: object) -> None:
         """Raise :class:`MeshClosedError` naming ``owner`` once the scope has closed."""

@@ -1,0 +1,165 @@
+"""A mesh aborted by its liveness watch: nothing it made reports a failed collective as done.
+
+4-rank gloo worlds over a guarded 2 x 2 (dp, tp) mesh. Rank 3 is SIGKILLed by
+this process (from outside, at a random moment after rank 1 has started its
+collectives). Every group's timeout is 60 s.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scopedmesh.c10d import closable  # noqa: E402
+
+needs_interrupt = pytest.mark.skipif(
+    not closable.supported(),
+    reason="this torch cannot make closable gloo groups: a collective in flight is not aborted",
+)
+
+
+def _kill_when(folder: Path, signal_file: str, seed: int) -> threading.Thread:
+    """A thread of this process that SIGKILLs rank 3 (its pid in ``folder/pid.3``) once
+    ``folder/signal_file`` exists, after a random delay of up to 50 ms."""
+
+    def kill() -> None:
+        deadline = time.monotonic() + 120.0
+        while not (folder / "pid.3").exists() or not (folder / signal_file).exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+        time.sleep(random.Random(seed).uniform(0.0, 0.05))
+        os.kill(int((folder / "pid.3").read_text()), signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _run(worker: Any, folder: Path, signal_file: str, seed: int) -> list[Any]:
+    from scopedmesh.testing import run_world
+
+    killer = _kill_when(folder, signal_file, seed)
+    results = run_world(worker, 4, args=(str(folder),), allow_exit=[3], timeout=240)
+    killer.join(timeout=5)
+    assert results[3] is None  # the victim reported nothing: it was killed
+    return results
+
+
+@needs_interrupt
+@pytest.mark.fault  # a slow lane: .ci/run runs it
+def test_a_kept_handle_of_a_collective_the_abort_cut_short_never_reports_success(
+    tmp_path: Path,
+) -> None:
+    """Issue 32, item 1. Rank 1's collectives on groups with rank 3 (the mesh's own,
+    a sub-mesh's, a view's, and torch's functional all_reduce through the DeviceMesh)
+    are in flight when rank 3 is killed. Once the watch knows and the groups have
+    settled, each handle's ``wait()`` raises ``MeshClosedError`` naming the death,
+    ``is_success()`` is False and its future holds the error. A handle whose
+    collective completed before the abort still reports success, with its result."""
+    import _workers_abort
+
+    results = _run(_workers_abort.kept_handles, tmp_path, "started", seed=32)
+    for rank in (0, 1, 2):
+        assert results[rank]["lost"] == [3], results[rank]
+    reports = results[1]["reports"]
+    for name in ("dp all_reduce", "dp all_gather", "sub-mesh", "view"):
+        report = reports[name]
+        assert report["wait"].startswith("MeshClosedError"), (name, report)
+        assert "rank(s) [3] died" in report["wait"], (name, report)
+        assert report["is_success"] == "returned False", (name, report)
+        assert report["is_completed"] == "returned True", (name, report)
+        assert report["future"].startswith("MeshClosedError"), (name, report)
+    # the functional collective's work is one of our handles too: its wait raises
+    assert "rank(s) [3] died" in results[1]["torch"], results[1]["torch"]
+    kept = reports["completed before"]
+    assert kept["wait"] == "returned True", kept
+    assert kept["is_success"] == "returned True", kept
+    assert kept["future"] == "returned [[2.0, 2.0]]" and kept["buffer"] == [2.0, 2.0], kept
+
+
+@needs_interrupt
+@pytest.mark.fault  # a slow lane: .ci/run runs it
+def test_groups_torch_made_and_a_backend_handed_out_are_shut_down_by_the_abort(
+    tmp_path: Path,
+) -> None:
+    """Issue 32, item 9. Groups torch made for a scoped DeviceMesh's ``_flatten`` and
+    ``_unflatten`` before the abort are closable and shut down with the mesh's own: a
+    collective blocked on one raises once the abort closes the peer's side, and later
+    ones raise ``MeshClosedError``. A gloo backend from ``_get_backend`` taken before
+    the abort is refused after it (it used to go on communicating)."""
+    import _workers_abort
+
+    results = _run(_workers_abort.torch_made_groups, tmp_path, "started", seed=9)
+    for rank in (0, 1, 2):
+        out = results[rank]
+        assert out["lost"] == [3], out
+        assert out["before"] == 8.0 and out["flat_type"] == "ClosableGroup", out
+    blocked = results[1]["blocked"]
+    assert "rank(s) [3] died" in blocked or "Connection closed" in blocked, blocked
+    for rank in (0, 1):
+        for what in ("unflatten later", "backend later"):
+            answer = results[rank][what]
+            assert answer.startswith("MeshClosedError"), (rank, what, answer)
+            assert "rank(s) [3] died" in answer, (rank, what, answer)
+    answer = results[2]["flatten later"]
+    assert answer.startswith("MeshClosedError") and "rank(s) [3] died" in answer, answer
+
+
+@needs_interrupt
+def test_torch_made_groups_are_closable_and_a_handed_out_backend_closes_with_its_mesh() -> None:
+    """Pins what item 9's fix relies on, in the default lane: torch makes a scoped
+    DeviceMesh's ``_flatten``/``_unflatten`` groups on the closable backend we pass as
+    ``backend_override``; the backend ``_get_backend`` hands out works while its group
+    is open (its works are handles), is refused once the mesh has closed, and a
+    collective that completed before still reports success."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    for out in run_world(_workers_abort.closable_flatten_and_backend, 2, timeout=120):
+        assert out["types"] == ["ClosableGroup", "ClosableGroup"], out
+        assert out["work"] == "Handle" and out["total"] == 8.0, out
+        assert out["timeout"] > 0, out
+        assert out["no cuda"].startswith("RuntimeError"), out  # torch's, for a missing device
+        assert out["backend after"].startswith("MeshClosedError"), out
+        assert out["flat after"].startswith(("MeshClosedError", "ValueError")), out
+        assert out["work after"] == ["returned True", "returned True"], out
+
+
+@needs_interrupt
+def test_a_collective_cut_short_by_an_interrupt_never_reports_success() -> None:
+    """Item 1's mechanism in the default lane: a handle whose collective was in flight
+    when its group was interrupted, and failed, reports that failure for good once the
+    group has settled (it used to say True); its future, taken while in flight, holds
+    gloo's error; a handle of a collective that completed before still reports success."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    out = run_world(_workers_abort.interrupted_in_flight, 2, timeout=120)[1]
+    assert out["held"], out  # busy when interrupted: held until it ended
+    cut = out["cut"]
+    assert cut["wait"].startswith("MeshClosedError"), out
+    assert "when the test interrupted it" in cut["wait"], out
+    # the future, taken while in flight, failed before the group let go of the work:
+    # it holds gloo's error, as torch's future would
+    assert cut["future"] == out["cut future taken before"], out
+    assert out["cut future taken before"].startswith("RuntimeError"), out
+    assert "[from " in cut["wait"], out  # chained to gloo's error
+    assert cut["is_success"] == "returned False", out
+    kept = out["kept"]
+    assert kept["wait"] == kept["is_success"] == "returned True", out
+    assert kept["future"] == "returned [[2.0]]", out
