@@ -99,6 +99,7 @@ class Scope:
                 self.table.destroy([group])
             else:
                 self.adopted.append(group)
+                self.table.track(group)  # aborted with the table
 
     def check_open(self, owner: object) -> None:
         """Raise :class:`MeshClosedError` naming ``owner`` once the scope has closed."""
