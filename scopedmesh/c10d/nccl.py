@@ -40,6 +40,7 @@ from torch.distributed import distributed_c10d as c10d
 __all__ = [
     "ASYNC_ERROR_HANDLING",
     "abort_groups",
+    "aborts",
     "check_error_handling",
     "error_handling_problem",
     "nccl_flavour",
@@ -60,29 +61,25 @@ _NCCL2_DEFAULT_FROM = (2, 15)  # "nccl" means nccl2 unless TORCH_DIST_USE_NCCL2=
 
 
 def needs_abort(group: dist.ProcessGroup) -> bool:
-    """Whether aborting ``group`` must reach torch's ``ProcessGroup.abort()``.
-
-    Every group but a plain gloo one (torch's gloo ``abort`` does nothing: a
-    mesh's gloo groups are closable and interrupted instead) and WORLD (not
-    the mesh's). Mixed groups (``"cpu:gloo,cuda:nccl"``) need it: ``abort``
-    reaches every backend of the group.
-    """
+    """Whether aborting ``group`` must reach torch's ``ProcessGroup.abort()``
+    (:func:`aborts`, from torch's record of its backend); never WORLD, not the mesh's."""
     if group is c10d.GroupMember.WORLD:
         return False
-    name = _backend_name(group)
-    return name != "gloo"
-
-
-def _backend_name(group: dist.ProcessGroup) -> str:
-    """torch's record of what ``group`` runs on (``"gloo"``, ``"cpu:gloo,cuda:nccl"``)."""
     config = c10d._world.pg_backend_config.get(group)
-    if config is not None:
-        parts = {part.split(":")[-1].strip() for part in str(config).split(",")}
-        return parts.pop() if len(parts) == 1 else str(config)
-    try:
-        return str(group.name())
-    except RuntimeError:
-        return ""
+    return aborts(str(config) if config is not None else str(group.name()))
+
+
+def aborts(backend: str) -> bool:
+    """Whether a group on ``backend`` is aborted through ``ProcessGroup.abort()``.
+
+    Every backend but plain gloo, whose ``abort`` does nothing (a mesh's gloo
+    groups are closable and interrupted instead). A mixed group is aborted:
+    ``abort`` reaches each of its backends, NCCL's included.
+
+    >>> aborts("gloo"), aborts("cpu:gloo"), aborts("cpu:gloo,cuda:nccl"), aborts("nccl")
+    (False, False, True, True)
+    """
+    return set(_parts(backend)) != {"gloo"}
 
 
 def _group_call(groups: Sequence[dist.ProcessGroup]) -> Any | None:
