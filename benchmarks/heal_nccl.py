@@ -107,20 +107,22 @@ def _step(mesh: ProcessGroupMesh, step: int, device: torch.device) -> list[Any]:
         raise RuntimeError(f"rank {dist.get_rank()} got no dp group from {mesh!r}")
     t = torch.full((NUMEL,), float(step + 1) * (dist.get_rank() + 1), device=device)
     dist.all_reduce(t, group=dp)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     mesh.get_group_along_axis("dp")  # raises if the watch aborted the mesh meanwhile
     return [step, float(t[0].item()), mesh.get_ranks_in_group(dp)]
 
 
 def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any]:
     """Train until ``plan["steps"]`` (and ``plan["seconds"]`` after a heal) on a guarded mesh."""
-    device = place(rank)
+    backend = plan.get("backend", "nccl")  # "gloo": the same run on the CPU (a dry run)
+    device = place(rank) if backend == "nccl" else torch.device("cpu")
     if plan.get("bound"):
         bind_world(rank, world, device, plan["port"])
-    check_error_handling("nccl", os.environ)  # what LivenessWatch.guard will check
+    check_error_handling(backend, os.environ)  # what LivenessWatch.guard will check
     out: dict[str, Any] = {"steps": [], "events": []}
     watch = LivenessWatch(interval=0.02, timeout=60)
-    mesh = watch.guard(ProcessGroupMesh(world, names=("dp",), backend="nccl", timeout=60))
+    mesh = watch.guard(ProcessGroupMesh(world, names=("dp",), backend=backend, timeout=60))
     Path(outdir, f"pid{rank}").write_text(str(os.getpid()))
     step, healed_at = 0, None
     while step < plan["steps"] or (
@@ -248,20 +250,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--bound", action="store_true", help="WORLD bound to the device")
     parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on the CPU, 2 ranks")
     args = parser.parse_args(argv)
+    if args.cpu_dry_run:
+        return _report(args, {"world": 2, "backend": "gloo"}, "CPU dry run (gloo), 2 ranks")
     if not torch.cuda.is_available():
         print(
             "heal_nccl: no CUDA device is visible to torch; run it on a GPU host", file=sys.stderr
         )
         return 1
-    world = world_size()
-    plan = {"world": world, "steps": 40, "warm": 5, "window": 0.05, "bound": args.bound}
-    rng = random.Random(args.seed)
     nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    where = (
+        f"{world_size()} ranks on {torch.cuda.device_count()} GPU(s) "
+        f"({torch.cuda.get_device_name(0)}), NCCL {nccl}, WORLD {'bound' if args.bound else 'gloo'}"
+    )
+    return _report(args, {"world": world_size(), "bound": args.bound}, where)
+
+
+def _report(args: argparse.Namespace, plan: dict[str, Any], where: str) -> int:
+    """Run ``args.kills`` kills of ``plan`` and print the rows and the summary lines."""
+    world = plan["world"]
+    plan = {"steps": 40, "warm": 5, "window": 0.05, **plan}
+    rng = random.Random(args.seed)
     print(
-        f"{world}x1 (dp), {world} ranks on {torch.cuda.device_count()} GPU(s) "
-        f"({torch.cuda.get_device_name(0)}), {args.kills} kills, mesh timeout 60 s, torch "
-        f"{torch.__version__}, NCCL {nccl}, WORLD {'bound' if args.bound else 'gloo'}, {_load()}",
+        f"{world}x1 (dp), {where}, {args.kills} kills, mesh timeout 60 s, torch "
+        f"{torch.__version__}, {_load()}",
         flush=True,
     )
     print(f"{'kill':>4} {'rank':>4} " + " ".join(f"{p:>10}" for p in PHASES), flush=True)
@@ -275,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{number + 1:>4} {kill['victim']:>4} " + " ".join(f"{t:>10.3f}" for t in row))
     print(f"{world}x1: {_summary(rows)}; {_load()}", flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"torch": torch.__version__, "nccl": nccl, "kills": record}))
+        args.out.write_text(
+            json.dumps({"torch": torch.__version__, "where": where, "kills": record})
+        )
     print(f"heal: {_summary(rows)}")
     return 0
 

@@ -10,9 +10,11 @@ environment is a plain dict here: nothing touches ``os.environ``.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
@@ -122,3 +124,38 @@ def test_the_unsplit_block_restores_worlds_device_outside_a_world() -> None:
     assert not dist.is_initialized()
     with nccl.unsplit():
         assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------ the torch names nccl.py uses
+# docs/ARCHITECTURE.md lists each; a release that moves one fails here, not in a heal.
+
+RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def test_torch_splits_new_groups_from_world_only_when_world_has_a_bound_device() -> None:
+    """unsplit() relies on this: torch's helper asks WORLD's bound device whether to split."""
+    source = inspect.getsource(inspect.unwrap(c10d._new_process_group_helper))
+    assert "_get_default_group().bound_device_id" in source
+    assert "split_from" in source
+
+
+def test_a_groups_bound_device_can_be_set_and_cleared() -> None:
+    group = dist.ProcessGroup(0, 1)  # type: ignore[call-arg]
+    assert group.bound_device_id is None
+    group.bound_device_id = torch.device("cuda", 0)
+    assert group.bound_device_id == torch.device("cuda", 0)
+    group.bound_device_id = None
+    assert group.bound_device_id is None
+
+
+def test_process_groups_abort_and_nccls_group_call_exist() -> None:
+    assert callable(getattr(dist.ProcessGroup, "abort", None))
+    assert isinstance(dist.Backend._plugins, dict)
+    assert hasattr(dist.Backend, "_BackendPlugin")
+    if dist.is_nccl_available():  # a CUDA build: the stock backend's group call
+        nccl_class = c10d.ProcessGroupNCCL
+        assert callable(nccl_class._group_start) and callable(nccl_class._group_end)
+    if RELEASE >= (2, 14):
+        assert callable(c10d._create_nccl2_process_group)
+    else:
+        assert not hasattr(c10d, "_create_nccl2_process_group")

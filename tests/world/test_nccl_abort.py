@@ -10,13 +10,18 @@ paths on NCCL.
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import _workers_nccl as workers
 
+from benchmarks import heal_nccl
 from scopedmesh.testing import run_world
 
 
@@ -51,3 +56,16 @@ def test_a_healed_meshs_groups_never_split_from_a_bound_world() -> None:
         assert out["before"] == [["cuda:0", "cuda:0"]], out
         assert out["after"] == [[None, "cuda:0"], [None, "cuda:0"]], out
         assert out["bound_after"] == "cuda:0", out
+
+
+@pytest.mark.fault
+def test_the_nccl_heal_benchmark_dry_run_on_gloo_heals_with_the_right_sums() -> None:
+    """benchmarks/heal_nccl.py's rank code and launcher on the CPU (gloo): the launcher
+    SIGKILLs a random rank of 2 at a random moment; the survivor heals, trains on, and
+    every step sums its members (heal_nccl.check). Its NCCL parts run on a GPU host only."""
+    rng = random.Random(33)
+    plan = {"world": 2, "backend": "gloo", "steps": 40, "warm": 5, "window": 0.05}
+    for _ in range(2):
+        kill = heal_nccl.launch(plan, rng, timeout=240)
+        heal_nccl.check(kill)
+        assert len(heal_nccl.phases(kill)) == len(heal_nccl.PHASES)
