@@ -109,7 +109,8 @@ def abort_groups(groups: Sequence[dist.ProcessGroup]) -> list[Exception]:
     no collective. NCCL makes the kernels in flight on an aborted communicator
     exit, and the collective (its ``wait()``, a CUDA synchronize on its
     stream) raises. A group already destroyed is skipped. A failure does not
-    stop the others: the failures are returned, first first.
+    stop the others: the failures are returned, first first (a group destroyed
+    meanwhile, by a close on another thread, is not a failure).
     """
     targets = [group for group in groups if group in c10d._world.pg_map and needs_abort(group)]
     if not targets:
@@ -123,7 +124,8 @@ def abort_groups(groups: Sequence[dist.ProcessGroup]) -> list[Exception]:
             try:
                 group.abort()
             except Exception as error:  # keep going: the others must still be aborted
-                errors.append(error)
+                if group in c10d._world.pg_map:  # destroyed meanwhile (a close): nothing lost
+                    errors.append(error)
     finally:
         if batch is not None:
             batch._group_end()
