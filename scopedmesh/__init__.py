@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from scopedmesh.layout.survivors import shrink
     from scopedmesh.mesh import ProcessGroupMesh
     from scopedmesh.mesh.heal import agree_on_lost, reform
+    from scopedmesh.mesh.liveness import LivenessWatch
     from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
-    from scopedmesh.mesh.watch import LivenessWatch
 
 __all__ = [
     "AxisError",
@@ -55,7 +55,7 @@ __version__ = "0.1.1.dev0"
 _LAZY = MappingProxyType(
     {
         "ProcessGroupMesh": "scopedmesh.mesh",
-        "LivenessWatch": "scopedmesh.mesh.watch",
+        "LivenessWatch": "scopedmesh.mesh.liveness",
         "agree_on_lost": "scopedmesh.mesh.heal",
         "reform": "scopedmesh.mesh.heal",
         "node_aware_mesh": "scopedmesh.mesh.nodes",

@@ -1,4 +1,4 @@
-"""Checks of the mesh's torch-facing arguments: backend names and timeouts.
+"""Checks of the mesh's torch-facing arguments: backend names, timeouts, rank lists and tags.
 
 >>> check_timeout(1.5)
 datetime.timedelta(seconds=1, microseconds=500000)
@@ -7,16 +7,26 @@ datetime.timedelta(seconds=1, microseconds=500000)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from scopedmesh.c10d.groups import unusable_backend
 from scopedmesh.errors import shown
+from scopedmesh.layout.ints import is_int
 
-__all__ = ["MAX_TIMEOUT", "check_backend", "check_timeout"]
+__all__ = [
+    "MAX_TIMEOUT",
+    "TAG_LIMIT",
+    "check_backend",
+    "check_tag",
+    "check_timeout",
+    "sorted_ranks",
+]
 
 MAX_TIMEOUT = timedelta(microseconds=2**63 - 1)  # about 292,000 years
+TAG_LIMIT = 200  # characters of an agreement's tag, which becomes part of its store keys
 
 
 def check_backend(backend: object, argument: str) -> str | None:
@@ -85,3 +95,37 @@ def check_timeout(timeout: object, argument: str = "timeout") -> timedelta:
             f"got {shown(timeout)}"
         )
     return result
+
+
+def sorted_ranks(ranks: object) -> list[int]:
+    """``ranks`` as sorted distinct ranks, or a TypeError/ValueError saying why not.
+
+    >>> sorted_ranks([3, 1, 3])
+    [1, 3]
+    """
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+        raise TypeError(f"ranks must be an iterable of int ranks, got {shown(ranks)}")
+    members: set[int] = set()
+    for r in ranks:
+        if not is_int(r):
+            raise TypeError(f"ranks must hold int ranks, got {shown(r)}")
+        if r < 0:
+            raise ValueError(f"ranks must be ranks of WORLD (>= 0), got {shown(r)}")
+        members.add(r)
+    return sorted(members)
+
+
+def check_tag(tag: object) -> None:
+    """A tag becomes part of store keys: a short printable str without '/', checked first.
+
+    >>> check_tag("a/b")
+    Traceback (most recent call last):
+        ...
+    ValueError: tag must be 1 to 200 printable characters without '/', got 'a/b'
+    """
+    if not isinstance(tag, str):
+        raise TypeError(f"tag must be a str, got {shown(tag)}")
+    if not tag or len(tag) > TAG_LIMIT or "/" in tag or not tag.isprintable():
+        raise ValueError(
+            f"tag must be 1 to {TAG_LIMIT} printable characters without '/', got {shown(tag)}"
+        )

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
 from scopedmesh.c10d.store import heal_keys
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout import Axis
@@ -36,7 +36,6 @@ from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 __all__ = ["LostRankError", "agree_on_lost", "reform"]  # LostRankError lives in errors
 
 _POLL = 0.05  # seconds between two looks at the store while survivors check in
-TAG_LIMIT = 200  # characters of an agreement's tag, which becomes part of its store keys
 
 
 def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGroupMesh:
@@ -68,30 +67,6 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
     return healed
 
 
-def _sorted_ranks(ranks: object) -> list[int]:
-    """``ranks`` as sorted distinct ranks, or a TypeError/ValueError saying why not."""
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
-        raise TypeError(f"ranks must be an iterable of int ranks, got {shown(ranks)}")
-    members: set[int] = set()
-    for r in ranks:
-        if not is_int(r):
-            raise TypeError(f"ranks must hold int ranks, got {shown(r)}")
-        if r < 0:
-            raise ValueError(f"ranks must be ranks of WORLD (>= 0), got {shown(r)}")
-        members.add(r)
-    return sorted(members)
-
-
-def _check_tag(tag: object) -> None:
-    """A tag becomes part of store keys: a short printable str without '/', checked first."""
-    if not isinstance(tag, str):
-        raise TypeError(f"tag must be a str, got {shown(tag)}")
-    if not tag or len(tag) > TAG_LIMIT or "/" in tag or not tag.isprintable():
-        raise ValueError(
-            f"tag must be 1 to {TAG_LIMIT} printable characters without '/', got {shown(tag)}"
-        )
-
-
 def agree_on_lost(
     ranks: Sequence[int], rank: int, *, tag: str, timeout: timedelta | float
 ) -> frozenset[int]:
@@ -111,12 +86,12 @@ def agree_on_lost(
     the event leaves ``len(ranks) + 1`` small keys in the store.
     """
     seconds = check_timeout(timeout).total_seconds()
-    members = _sorted_ranks(ranks)
+    members = sorted_ranks(ranks)
     if not is_int(rank):
         raise TypeError(f"rank must be an int rank, got {shown(rank)}")
     if rank not in members:
         raise ValueError(f"rank must be one of ranks {shown(members)}, got {shown(rank)}")
-    _check_tag(tag)
+    check_tag(tag)
     if members[-1] >= (world := dist.get_world_size()):
         raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
     store = _c10d.default_store()

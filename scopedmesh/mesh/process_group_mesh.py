@@ -18,6 +18,8 @@ The ColossalAI static helpers come from :mod:`scopedmesh.layout.colossal`.
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from types import TracebackType
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_backend, check_timeout
+from scopedmesh.c10d.diagnosis import Liveness
 from scopedmesh.c10d.names import group_description
 from scopedmesh.errors import shown
 from scopedmesh.layout import Axes, Axis, MeshLayout
@@ -259,6 +262,40 @@ class ProcessGroupMesh:
     def closed(self) -> bool:
         """Whether this scope has closed."""
         return self._scope.closed
+
+    # ------------------------------------------------ abort (what a liveness watch uses)
+
+    def abort(self, because: str) -> None:
+        """Refuse the groups of this mesh's tree from now on; shut down its gloo groups.
+
+        An abort is a state, not an action: collectives in flight on the
+        mesh, its parent or its sub-meshes raise, and every later request
+        raises ``MeshClosedError`` saying they were shut down ``because``. Close
+        the mesh as usual. Local, from any thread (a ``LivenessWatch`` calls it).
+        """
+        if not isinstance(because, str) or not because:
+            raise TypeError(f"because must be a non-empty str, got {shown(because)}")
+        self._table.abort(because)
+
+    def settle(self) -> None:
+        """Close the aborted gloo groups whose collective has ended (``ClosableGroup.settle``)."""
+        closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded by the first gloo group
+        if closable is not None and not self.closed:
+            for group in self._table.groups():  # no lock: a formation may hold it
+                if isinstance(group, closable.ClosableGroup):
+                    group.settle()
+
+    @property
+    def liveness(self) -> Liveness | None:
+        """The liveness watch that says which peers of this mesh's formations are lost."""
+        return self._table.liveness
+
+    def set_liveness(self, liveness: Liveness | None, thread: threading.Thread | None) -> None:
+        """Have formations ask ``liveness`` which peers are lost (None: nobody);
+        ``thread`` (the watch's) talks to the store over clients of its own."""
+        self._table.liveness = liveness
+        if thread is not None:
+            self._table.store_use.declare_own_clients(thread)
 
     def __del__(self) -> None:
         scope = getattr(self, "_scope", None)

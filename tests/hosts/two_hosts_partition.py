@@ -164,7 +164,7 @@ def watch_state(watch: Any) -> dict[str, Any] | None:
     """What the watch knows: the lost ranks (and when it learned), its ring link, its errors."""
     if watch is None:
         return None
-    link = watch._succ  # private, for this report only: which rank this one watches
+    link = watch._ring.succ  # private, for this report only: which rank this one watches
     failure = watch._failure
     cut = Path(os.environ["PARTITION_DONE"])
     cut_at = cut.stat().st_mtime if cut.exists() else None

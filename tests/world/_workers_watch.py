@@ -47,7 +47,7 @@ def close_and_observe(rank: int, world: int, rounds: int) -> dict[str, Any]:
             # what is left to read before looking.
             deadline = time.monotonic() + 30.0
             while time.monotonic() < deadline:
-                link = watch._succ
+                link = watch._ring.succ
                 if link is not None and link[0] not in leavers:
                     break
                 time.sleep(0.005)
@@ -55,7 +55,7 @@ def close_and_observe(rank: int, world: int, rounds: int) -> dict[str, Any]:
             time.sleep(0.05)  # ten intervals: end-of-file on the peer sockets is read too
             if watch.lost():
                 wrong.append((r, sorted(watch.lost())))
-            relinks += len(watch._left & leavers)
+            relinks += len(watch._ring.left & leavers)
             watch.close()
         _meet(store, f"observe/{r}/done", world)
     return {"rank": rank, "wrong": wrong, "relinks": relinks}
@@ -256,9 +256,9 @@ class FailingStore:
 
 def _wait_lost(watch: LivenessWatch, rank: int, seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while rank not in watch._lost and time.monotonic() < deadline:
+    while rank not in watch._record.lost and time.monotonic() < deadline:
         time.sleep(0.005)
-    return sorted(watch._lost)
+    return sorted(watch._record.lost)
 
 
 def many_fds_then_a_death(rank: int, world: int, fds: int) -> dict[str, Any]:
@@ -295,18 +295,18 @@ def store_fails_while_relinking(rank: int, world: int) -> dict[str, Any]:
     store = _c10d.default_store()
     watch = LivenessWatch(interval=0.02, timeout=60)
     out: dict[str, Any] = {"rank": rank}
-    faulty = FailingStore(watch._thread_store, "compare_set", 3)
+    faulty = FailingStore(watch._ring.store, "compare_set", 3)
     if rank == 0:
-        watch._thread_store = faulty
+        watch._ring.store = faulty
     _meet(store, "relink/linked", world)
     faulty.armed = True
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     out["lost"] = _wait_lost(watch, 1, 15.0)
     deadline = time.monotonic() + 15.0
-    while (watch._succ is None or watch._succ[0] != 2) and time.monotonic() < deadline:
+    while (watch._ring.succ is None or watch._ring.succ[0] != 2) and time.monotonic() < deadline:
         time.sleep(0.005)
-    out["successor"] = None if watch._succ is None else watch._succ[0]
+    out["successor"] = None if watch._ring.succ is None else watch._ring.succ[0]
     out["failures_left"] = faulty.failures
     try:
         out["first_lost"] = sorted(watch.lost())

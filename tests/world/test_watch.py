@@ -415,15 +415,15 @@ def test_a_failure_of_the_watch_thread_surfaces_in_the_next_query(one_rank: Any)
     from scopedmesh import LivenessWatch
 
     with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
-        faulty = _workers_watch.FailingStore(watch._thread_store, "add", 10**9)
+        faulty = _workers_watch.FailingStore(watch._ring.store, "add", 10**9)
         faulty.armed = True
-        watch._thread_store = faulty
+        watch._ring.store = faulty
         deadline = time.monotonic() + 10
         while watch._failure is None and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(RuntimeError, match=r"its thread failed while watching .* injected"):
             watch.lost()
-        watch._thread_store = faulty.store
+        watch._ring.store = faulty.store
 
 
 def test_guard_warns_once_where_groups_cannot_be_closed(

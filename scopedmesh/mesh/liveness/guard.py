@@ -1,0 +1,103 @@
+"""The guard: which guarded meshes a death hits; they are aborted, and settled every interval.
+
+A guarded mesh holding a rank that died is aborted (:meth:`ProcessGroupMesh.abort
+<scopedmesh.mesh.process_group_mesh.ProcessGroupMesh.abort>`): its gloo groups
+shut down, so a rank blocked in a collective with healthy peers raises at once
+instead of waiting for the collective's timeout. Every interval the guarded
+meshes are settled (:meth:`ProcessGroupMesh.settle`): an aborted group whose
+collective has ended closes its connections, so a peer does not wait on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+
+import torch
+
+from scopedmesh.c10d.diagnosis import Liveness
+from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
+
+__all__ = ["Guard"]
+
+
+class Guard:
+    """The meshes one liveness watch guards, and when each dead rank's meshes were aborted.
+
+    >>> guard = Guard()
+    >>> guard.hit({3}), guard.aborted_at(3)
+    (None, None)
+    """
+
+    def __init__(self) -> None:
+        self.meshes: tuple[ProcessGroupMesh, ...] = ()
+        self.aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
+        self._warned = False  # whether add() has checked that groups are closable
+
+    def add(
+        self,
+        mesh: ProcessGroupMesh,
+        liveness: Liveness,
+        thread: threading.Thread,
+        lost: frozenset[int],
+    ) -> None:
+        """Guard ``mesh`` for ``liveness`` (whose ``thread`` has store clients of its own);
+        abort it at once if it holds a rank in ``lost``."""
+        self._warn_if_not_closable()
+        self.meshes = (*[m for m in self.meshes if not m.closed], mesh)
+        mesh.set_liveness(liveness, thread)  # formations ask it; never uses torch's client
+        self.settle()
+        dead = lost.intersection(mesh.layout.ranks)
+        if dead:
+            self._abort(mesh, dead)
+
+    def hit(self, new: Iterable[int]) -> None:
+        """Abort the open guarded meshes that hold a rank of ``new`` (newly learned deaths)."""
+        new = set(new)
+        for mesh in self.meshes:
+            hit = new.intersection(mesh.layout.ranks)
+            if hit and not mesh.closed:
+                self._abort(mesh, hit)
+
+    def aborted_at(self, rank: int) -> float | None:
+        """``time.time()`` when the guarded meshes holding ``rank`` were aborted, or None."""
+        return self.aborted.get(rank)
+
+    def settle(self) -> None:
+        """Close the aborted groups whose collective has ended (a held one stalls its peers)."""
+        for mesh in self.meshes:
+            mesh.settle()
+
+    def release(self, liveness: Liveness) -> None:
+        """Let go of every mesh: their formations stop asking ``liveness``."""
+        for mesh in self.meshes:
+            if mesh.liveness is liveness:
+                mesh.set_liveness(None, None)
+        self.meshes = ()
+
+    def _abort(self, mesh: ProcessGroupMesh, dead: Iterable[int]) -> None:
+        dead = sorted(dead)
+        mesh.abort(f"when the liveness watch learned that rank(s) {dead} died")
+        now = time.time()
+        for rank in dead:
+            self.aborted.setdefault(rank, now)
+
+    def _warn_if_not_closable(self) -> None:
+        """Once per guard, on a torch that cannot make closable gloo groups: say what is lost."""
+        if self._warned:
+            return
+        self._warned = True
+        from scopedmesh.c10d import closable  # registers the backend, as a gloo group would
+
+        if not closable.supported():
+            warnings.warn(
+                f"LivenessWatch.guard: torch {torch.__version__} cannot make closable gloo "
+                "groups, so the watch cannot abort a collective in flight: when a rank dies, "
+                "a rank blocked in a collective with healthy peers waits for that "
+                "collective's timeout before it raises (deaths are still learned, agreed on "
+                "and healed; give guarded meshes a short timeout)",
+                RuntimeWarning,
+                stacklevel=4,
+            )

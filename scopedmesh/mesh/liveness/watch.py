@@ -1,0 +1,435 @@
+"""The liveness watch: a thread that reads the ring and polls the store; aborts, agrees, heals.
+
+A :class:`LivenessWatch` is opt-in and held by the caller; while it runs, each
+process has one more thread (none before, none after). It composes the
+member's :class:`~scopedmesh.mesh.liveness.ring.Ring` (its sockets), its
+:class:`~scopedmesh.mesh.liveness.deaths.DeathRecord`, the
+:class:`~scopedmesh.mesh.liveness.guard.Guard` of the meshes it aborts, and
+the :class:`~scopedmesh.mesh.liveness.agreement.Agreement` that :meth:`agree`
+runs. Every watch polls the store's death counter: **one store request per
+rank per** ``interval`` (50 a second per rank at the default 20 ms).
+
+>>> LivenessWatch(interval=0)
+Traceback (most recent call last):
+    ...
+ValueError: interval must be a positive number of seconds (at most 60), got 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import selectors
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
+from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys
+from scopedmesh.errors import LostRankError, shown
+from scopedmesh.layout import Axis
+from scopedmesh.layout.ints import is_int
+from scopedmesh.mesh.heal import reform
+from scopedmesh.mesh.liveness.agreement import Agreement
+from scopedmesh.mesh.liveness.deaths import UNREACHABLE, DeathRecord
+from scopedmesh.mesh.liveness.guard import Guard
+from scopedmesh.mesh.liveness.ring import UNREACHABLE_AFTER, Ring
+from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
+
+__all__ = ["MAX_INTERVAL", "LivenessWatch", "check_interval", "key_names"]
+
+MAX_INTERVAL = 60.0  # seconds: an interval longer than this is a mistake, not a choice
+
+
+def check_interval(interval: object) -> float:
+    """``interval`` as positive finite seconds (at most :data:`MAX_INTERVAL`), or an error."""
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+        raise TypeError(f"interval must be a number of seconds, got {shown(interval)}")
+    seconds = float(interval) if abs(interval) < 1e300 else math.inf
+    if not (0 < seconds <= MAX_INTERVAL):  # NaN fails this too
+        raise ValueError(
+            f"interval must be a positive number of seconds (at most {MAX_INTERVAL:g}), "
+            f"got {shown(interval)}"
+        )
+    return seconds
+
+
+def _time_left(deadline: float) -> timedelta:
+    """What is left until ``deadline`` (``time.monotonic()``), at least a millisecond."""
+    return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
+def _check_members(ranks: Iterable[int] | None, host: object, store: object) -> list[int]:
+    """The watch's members (sorted global ranks, this one among them), or an error naming
+    the bad argument (``host`` and ``store`` are checked here too)."""
+    if host is not None and (not isinstance(host, str) or not host):
+        raise TypeError(f"host must be a non-empty str or None, got {shown(host)}")
+    if store is not None and not isinstance(store, dist.Store):  # type: ignore[attr-defined]
+        raise TypeError(f"store must be a torch.distributed Store or None, got {shown(store)}")
+    world = dist.get_world_size()
+    members = list(range(world)) if ranks is None else sorted_ranks(ranks)
+    if not members:
+        raise ValueError("ranks must hold at least one rank")
+    if members[-1] >= world:
+        raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
+    rank = dist.get_rank()
+    if rank not in members:
+        raise ValueError(f"this rank ({rank}) must be one of ranks {shown(members)}")
+    return members
+
+
+def key_names(prefix: str, ranks: Iterable[int], tags: Iterable[str]) -> list[str]:
+    """Every key the watches under ``prefix`` over ``ranks`` can leave (:meth:`WatchKeys.all`)."""
+    return WatchKeys(prefix).all(ranks, tags)
+
+
+class LivenessWatch:
+    """Which members are alive, learned from their open sockets; aborts the meshes it guards.
+
+    ``ranks`` are the members (global ranks; all of WORLD by default); every
+    member makes its watches in the same order. ``interval`` is how often the
+    store's death counter is read (one request per rank per interval), and how
+    often :meth:`agree` looks at the store. ``timeout`` bounds every wait (the
+    successor's address at start, an agreement): a long safety net, not a
+    liveness rule. ``host`` is the address this rank listens on (default: the
+    one on the route to ``MASTER_ADDR``). ``store`` defaults to torch's default
+    store; the watch talks to it over connections of its own (``clone``).
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> with LivenessWatch(interval=0.05) as watch:
+    ...     watch.lost(), watch.is_alive(0)
+    (frozenset(), True)
+    >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        ranks: Iterable[int] | None = None,
+        *,
+        interval: float = 0.02,
+        timeout: timedelta | float = 60.0,
+        host: str | None = None,
+        store: Any = None,
+    ) -> None:
+        self._closed = True  # until the thread runs: close() has nothing to stop
+        self._interval = check_interval(interval)
+        self._timeout = check_timeout(timeout)
+        members = _check_members(ranks, host, store)
+        self.rank = dist.get_rank()
+        self.ranks: tuple[int, ...] = tuple(members)
+        base: Any = store if store is not None else _c10d.default_store()
+        self._store: Any = base.clone()  # the caller's thread
+        self._store.set_timeout(self._timeout)
+        self.prefix = f"{WATCH_ROOT}/{self._store.add(WatchKeys.counter(self.rank), 1)}"
+        self.keys = WatchKeys(self.prefix)
+        self._guard = Guard()
+        self._record = DeathRecord(self.keys, self.rank, self._guard.hit)
+        self._events = 0
+        self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
+        self._stopped = False  # whether the thread ended other than by close()
+        self._ring = Ring(
+            self.rank,
+            self.ranks,
+            self.keys,
+            host=host,
+            timeout=self._timeout,
+            record=self._record,
+            report=self._report,
+        )
+        self._ring.store = base.clone()  # the watch thread's: never behind a caller's wait
+        self._ring.store.set_timeout(self._timeout)
+        try:
+            self._ring.join(self._store)
+        except BaseException:
+            self._ring.shut(goodbye=False)
+            with contextlib.suppress(Exception):
+                self._store.delete_key(self.keys.addr(self.rank))
+            raise
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"scopedmesh-liveness-{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ queries
+
+    def lost(self) -> frozenset[int]:
+        """The members this process has learned are dead (never shrinks).
+
+        Raises ``RuntimeError`` naming what happened if the watch's thread failed.
+        """
+        self._check_thread()
+        return self._record.lost
+
+    def is_alive(self, rank: int) -> bool:
+        """Whether ``rank`` (a member) is alive: its sockets are open, as far as known.
+
+        A slow, stopped or busy rank is alive. This is the one notion of alive
+        the library has; code that must tell a dead peer from a slow one asks here.
+        """
+        if not is_int(rank):
+            raise TypeError(f"rank must be an int rank, got {shown(rank)}")
+        if rank not in self.ranks:
+            raise ValueError(
+                f"rank must be one of this watch's ranks {list(self.ranks)}, got {rank}"
+            )
+        self._check_thread()
+        return rank not in self._record.lost
+
+    def why_lost(self, rank: int) -> str | None:
+        """How ``rank`` was lost, as a predicate (``"has died (...)"``); None while it is alive.
+
+        The diagnosis of a group that cannot form says ``rank 3 <this>``.
+        """
+        reason = self._record.why.get(rank) if rank in self._record.lost else None
+        if reason is None:
+            return None
+        if reason == UNREACHABLE:
+            return (
+                f"is unreachable (its host answered no keepalive probe of the liveness watch "
+                f"for {UNREACHABLE_AFTER} s: a network partition, or the host is down)"
+            )
+        return "has died (its liveness watch connection closed without a goodbye)"
+
+    def learned_at(self, rank: int) -> float | None:
+        """``time.time()`` when this process learned that ``rank`` died, or None."""
+        return self._record.learned.get(rank)
+
+    def aborted_at(self, rank: int) -> float | None:
+        """``time.time()`` when the guarded meshes holding ``rank`` were aborted here, or None."""
+        return self._guard.aborted_at(rank)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (the thread is gone, the sockets are closed)."""
+        return self._closed
+
+    # ------------------------------------------------------------------ guarding
+
+    def guard(self, mesh: ProcessGroupMesh) -> ProcessGroupMesh:
+        """Abort ``mesh`` (its gloo groups, its sub-meshes' too) when one of its ranks dies.
+
+        Returns ``mesh``. Collectives in flight on it then raise (their peers'
+        connections close); later ones raise ``MeshClosedError``; close the
+        mesh as usual (``reform`` does). A mesh that holds a rank already
+        known lost is aborted at once. While the watch runs, the mesh's group
+        formations ask it which peers are lost: one waiting for a lost rank
+        raises ``GroupFormationError`` saying so, on any host.
+        """
+        if not isinstance(mesh, ProcessGroupMesh):
+            raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
+        self._check_open()
+        self._check_thread()
+        self._guard.add(mesh, self, self._thread, self._record.lost)
+        return mesh
+
+    # ------------------------------------------------------------------ agreement
+
+    def agree(
+        self,
+        mesh: ProcessGroupMesh | None = None,
+        *,
+        tag: str | None = None,
+        timeout: timedelta | float | None = None,
+    ) -> frozenset[int]:
+        """The lost ranks among ``mesh``'s ranks (default: the watch's), the same on every survivor.
+
+        Each survivor checks in; once every rank is accounted for, checked in
+        or declared lost by its watcher, a survivor writes the lost set with
+        ``compare_set`` and every survivor returns the first one written. A
+        slow rank is waited for, never declared lost; a rank that dies
+        meanwhile is declared and counted. If a rank that checked in dies after
+        the decision, its death aborts the re-formed mesh and the survivors
+        agree again (a new ``tag``), never on two answers. ``tag`` defaults to
+        this watch's count of agreements (the same on every survivor that took
+        part in all of them). A rank the decision counts as lost gets
+        :class:`LostRankError`. Waits at most ``timeout`` (default: the
+        watch's), then raises ``TimeoutError`` naming the ranks still
+        unaccounted for.
+        """
+        self._check_open()
+        self._check_thread()
+        if mesh is not None and not isinstance(mesh, ProcessGroupMesh):
+            raise TypeError(f"mesh must be a ProcessGroupMesh or None, got {shown(mesh)}")
+        limit = self._timeout if timeout is None else check_timeout(timeout)
+        if tag is None:
+            tag = f"event{self._events}"
+        check_tag(tag)
+        members = self._members_of(mesh)
+        self._events += 1
+        self._store.append(self.keys.tags, tag + "\n")
+        agreement = Agreement(self._store, self.keys.agreement(tag), members, self.rank)
+        decision = agreement.decide(
+            self.lost,
+            lambda: self._record.read(self._store),
+            interval=self._interval,
+            limit=limit.total_seconds(),
+            tag=tag,
+        )
+        if self.rank in decision:
+            raise LostRankError(
+                f"rank {self.rank} was declared lost (lost ranks {sorted(decision)}): its "
+                "connections closed; it must not join the re-formed mesh"
+            )
+        return decision
+
+    def _members_of(self, mesh: ProcessGroupMesh | None) -> list[int]:
+        """The ranks an agreement over ``mesh`` (None: the watch's) settles, or an error."""
+        members = sorted(mesh.layout.ranks) if mesh is not None else list(self.ranks)
+        if self.rank not in members:
+            raise ValueError(f"this rank ({self.rank}) is not one of the mesh's ranks {members}")
+        unwatched = sorted(set(members).difference(self.ranks))
+        if unwatched:
+            raise ValueError(
+                f"mesh holds ranks {unwatched} that this watch does not watch {list(self.ranks)}"
+            )
+        return members
+
+    def heal(
+        self, mesh: ProcessGroupMesh, axis: Axis, *, tag: str | None = None
+    ) -> ProcessGroupMesh:
+        """Agree on the lost ranks of ``mesh``, re-form it along ``axis`` and guard the result.
+
+        ``reform(mesh, self.agree(mesh, tag=tag), axis)``, then :meth:`guard`.
+        A rank that loses its place gets :class:`LostRankError` (``mesh`` is closed).
+        """
+        lost = self.agree(mesh, tag=tag)
+        return self.guard(reform(mesh, lost, axis))
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        """The thread: read the ring's sockets, poll the store; any failure is recorded
+        for the next query (:meth:`_check_thread`), never dropped."""
+        try:
+            with selectors.DefaultSelector() as selector:  # epoll: any number of fds
+                self._loop(selector)
+        except BaseException as error:  # the thread ends: say so in the next query
+            self._failure = ("stopped", error)
+            self._stopped = True
+        finally:
+            self._ring.shut(goodbye=True)
+
+    def _loop(self, selector: selectors.BaseSelector) -> None:
+        ring, seen = self._ring, 0
+        next_poll = time.monotonic()
+        while True:
+            wait = max(0.0, next_poll - time.monotonic())
+            readable = ring.select(selector, wait)
+            if ring.wake_r in readable:
+                return
+            try:
+                for sock in readable:
+                    ring.on_readable(sock)
+                if time.monotonic() < next_poll:
+                    continue
+                next_poll = time.monotonic() + self._interval
+                self._guard.settle()
+                if ring.relink_due is not None:
+                    ring.relink()
+                count = self._record.poll(ring.store, seen)
+                if count != seen:
+                    seen = count
+                    if ring.succ is not None and ring.succ[0] in self._record.lost:
+                        ring.relink()
+            except Exception as error:  # keep watching (the store may come back); say so
+                self._report("failed while watching (it goes on)", error)
+                time.sleep(self._interval)
+
+    def _report(self, what: str, error: BaseException) -> None:
+        """Record a failure the thread survives, for the next query."""
+        self._failure = (what, error)
+
+    def _check_thread(self) -> None:
+        """Raise what broke the watch's thread, naming it: always once it has stopped,
+        once per failure while it goes on."""
+        failure = self._failure
+        if failure is None or self._closed:
+            return
+        if not self._stopped:
+            self._failure = None
+        what, error = failure
+        raise RuntimeError(
+            f"the liveness watch of rank {self.rank}: its thread {what}: "
+            f"{type(error).__name__}: {error}; deaths may have gone unseen"
+        ) from error
+
+    # ------------------------------------------------------------------ lifetime
+
+    def __enter__(self) -> LivenessWatch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close; a failure to close after an exception is a warning, never a replacement."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as error:
+            warnings.warn(
+                f"closing {self!r} after {type(exc).__name__} also failed: {error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def close(self) -> None:
+        """Stop: say goodbye to the peers, join the thread, close the sockets; idempotent.
+
+        The last member to close deletes the watch's keys (a per-rank counter
+        of watches, ``<root>/count/<rank>``, stays, as group generations do).
+        Takes at most the watch's ``timeout`` in all, even when the store's host
+        is gone: each store request is given what is left of it, and the
+        clean-up is skipped (with its error raised) once it has run out.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        store = self._store
+        with contextlib.suppress(Exception):
+            store.set_timeout(_time_left(deadline))
+            store.delete_key(self.keys.addr(self.rank))  # a late connector sees "left"
+        self._ring.wake()
+        self._thread.join(_time_left(deadline).total_seconds())
+        self._guard.release(self)
+        try:
+            store.set_timeout(_time_left(deadline))
+            self._clean_up()
+        finally:
+            self._store = self._ring.store = None  # closes both connections
+
+    def _clean_up(self) -> None:
+        """The last member to close (the lost ones never will) deletes the watch's keys."""
+        store, keys = self._store, self.keys
+        closed = store.add(keys.closed, 1)
+        dead = store.add(keys.deaths, 0)
+        if closed + dead < len(self.ranks):
+            return
+        tags: list[str] = []
+        if store.check([keys.tags]):
+            tags = store.get(keys.tags).decode().split("\n")
+        for key in keys.all(self.ranks, tags):
+            store.delete_key(key)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running"
+        lost = sorted(self._record.lost)
+        return f"<LivenessWatch rank {self.rank} of {list(self.ranks)}, {state}, lost {lost}>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; make a new LivenessWatch")
