@@ -75,6 +75,7 @@ class GroupTable:
         "_entries",
         "_recorded",
         "_tracked",
+        "abort_failures",
         "aborted",
         "fresh_communicators",
         "grace",
@@ -93,6 +94,7 @@ class GroupTable:
         self.aborted = ""  # why the table was aborted; "" while it is not
         self.fresh_communicators = False  # True: never split a group from WORLD's (healed)
         self._tracked: list[dist.ProcessGroup] = []  # groups torch made for the scopes
+        self.abort_failures: list[Exception] = []  # what failed while aborting, first first
         self.lock = threading.RLock()
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
@@ -152,9 +154,7 @@ class GroupTable:
         if self.aborted:  # aborted while it formed: shut it down like the others
             entry.alive = False
             if group is not None:
-                errors = _interrupt([group], self.aborted)
-                if errors:
-                    raise errors[0]
+                self.abort_failures += _interrupt([group], self.aborted)
         return entry
 
     def abort(self, because: str) -> None:
@@ -172,8 +172,10 @@ class GroupTable:
         collective blocked on one raises. ``because`` ends the sentence "... was
         shut down"; the first reason stays. Safe from any thread: it takes no
         lock (a formation may hold it) and never drops the last reference to a
-        group in a collective. Every group is tried; then the first failure is
-        raised (a watch's thread reports it in its next query).
+        group in a collective. Every group is tried and nothing is raised here
+        (a watch's thread goes on to its other meshes): a failure is kept in
+        :attr:`abort_failures` and told, chained, by every later refusal
+        (:meth:`check_not_aborted`).
         """
         if not self.aborted:
             self.aborted = because
@@ -181,26 +183,29 @@ class GroupTable:
         for entry in entries:
             entry.alive = False  # the mesh's cached lookups go the slow way, which refuses
         held = [entry.group for entry in entries if entry.group is not None]
-        errors = _interrupt([*held, *list(self._tracked)], self.aborted)
-        if errors:
-            raise errors[0]
+        self.abort_failures += _interrupt([*held, *list(self._tracked)], self.aborted)
 
     def track(self, group: dist.ProcessGroup) -> None:
         """Abort ``group``, which torch made for a scope (a DeviceMesh's ``_flatten``), with the
         table; at once if the table is aborted already. :meth:`destroy` forgets it."""
         self._tracked.append(group)
         if self.aborted:
-            errors = _interrupt([group], self.aborted)
-            if errors:
-                raise errors[0]
+            self.abort_failures += _interrupt([group], self.aborted)
 
     def check_not_aborted(self, what: object) -> None:
-        """Raise :class:`MeshClosedError` naming ``what`` once the table is aborted."""
+        """Raise :class:`MeshClosedError` naming ``what`` once the table is aborted (chained to
+        the first failure of the abort itself, if any, and saying so)."""
         if self.aborted:
-            raise MeshClosedError(
-                f"{what} was aborted: its groups were shut down {self.aborted}. Close it and "
-                "re-form the survivors' mesh (LivenessWatch.heal, or agree_on_lost and reform)"
+            failures = list(self.abort_failures)
+            failed = (
+                f" (aborting them failed too: {type(failures[0]).__name__}: {failures[0]})"
+                if failures
+                else ""
             )
+            raise MeshClosedError(
+                f"{what} was aborted: its groups were shut down {self.aborted}{failed}. Close it "
+                "and re-form the survivors' mesh (LivenessWatch.heal, or agree_on_lost and reform)"
+            ) from (failures[0] if failures else None)
 
     def release(self, entries: Iterable[Entry]) -> list[Exception]:
         """Unregister ``entries`` and destroy their groups, in the order given; no communication.

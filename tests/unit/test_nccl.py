@@ -159,3 +159,21 @@ def test_process_groups_abort_and_nccls_group_call_exist() -> None:
         assert callable(c10d._create_nccl2_process_group)
     else:
         assert not hasattr(c10d, "_create_nccl2_process_group")
+
+
+def test_a_failed_abort_is_told_by_every_later_refusal() -> None:
+    """The watch's thread never raises out of an abort (its other meshes must still be
+    aborted); what failed is chained to the mesh's next refusal instead."""
+    from scopedmesh import MeshClosedError
+    from scopedmesh.mesh.group_table import GroupTable
+
+    table = GroupTable()
+    table.abort("when the test said so")  # no group: nothing to fail
+    with pytest.raises(MeshClosedError, match=r"shut down when the test said so\. Close") as plain:
+        table.check_not_aborted("the mesh")
+    assert plain.value.__cause__ is None
+    failure = RuntimeError("ncclInternalError")
+    table.abort_failures.append(failure)
+    with pytest.raises(MeshClosedError, match="aborting them failed too: RuntimeError") as told:
+        table.check_not_aborted("the mesh")
+    assert told.value.__cause__ is failure
