@@ -21,6 +21,7 @@ public ``new_group`` with a warning that names the hazard.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import warnings
@@ -35,6 +36,7 @@ from torch.distributed import distributed_c10d as c10d
 from scopedmesh.c10d.diagnosis import DEFAULT_GRACE, Liveness, Request, Watch, WatchedStore
 from scopedmesh.c10d.diagnosis import record_process as _record_process
 from scopedmesh.c10d.names import RankMap, canonical_ranks, group_name
+from scopedmesh.c10d.nccl import unsplit as _unsplit
 from scopedmesh.c10d.store import (
     StoreUse,
     default_store,
@@ -197,6 +199,7 @@ def new_member_group(
     grace: timedelta | None = None,
     liveness: Liveness | None = None,
     store_use: StoreUse | None = None,
+    unsplit: bool = False,
 ) -> dist.ProcessGroup | None:
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
 
@@ -215,7 +218,11 @@ def new_member_group(
     are lost; without one, only a peer's process on this host can be seen dying.
     ``store_use`` decides whether the group forms over torch's store client or
     a clone of it (:class:`~scopedmesh.c10d.store.StoreUse`; None: a new one,
-    in which every other thread of the process counts).
+    in which every other thread of the process counts). ``unsplit``: never derive
+    the group from WORLD's communicator, even where WORLD is bound to a device
+    (a healed mesh's groups: WORLD holds the lost ranks; see
+    :func:`scopedmesh.c10d.nccl.unsplit`); otherwise torch splits it from WORLD's
+    where it would (fast).
     """
     ranks = ranks if isinstance(ranks, range) else tuple(ranks)
     rank = dist.get_rank()
@@ -226,7 +233,8 @@ def new_member_group(
         raise ValueError(f"backend {shown(backend)} cannot form a group on this host: {problem}")
     if not keeps_member_order():
         warnings.warn(FALLBACK_WARNING, RuntimeWarning, stacklevel=3)
-        return _public_group(ranks, backend, timeout, pg_options, description)
+        with _unsplit() if unsplit else contextlib.nullcontext():
+            return _public_group(ranks, backend, timeout, pg_options, description)
     return _named_group(
         ranks,
         dist.Backend(backend),
@@ -237,6 +245,7 @@ def new_member_group(
         grace=DEFAULT_GRACE if grace is None else grace,
         liveness=liveness,
         store_use=store_use or StoreUse(),
+        unsplit=unsplit,
     )
 
 
@@ -251,6 +260,7 @@ def _named_group(
     grace: timedelta,
     liveness: Liveness | None,
     store_use: StoreUse,
+    unsplit: bool,
 ) -> dist.ProcessGroup:
     """:func:`new_member_group` on the private path: a named incarnation, watched, then the
     formation barrier (see :func:`_all_formed`)."""
@@ -275,7 +285,15 @@ def _named_group(
         watch = Watch(store, request, ranks, grace, group_timeout, liveness)
     try:
         group = _construct(
-            ranks, backend_enum, store, watch, name, group_timeout, description, pg_options
+            ranks,
+            backend_enum,
+            store,
+            watch,
+            name,
+            group_timeout,
+            description,
+            pg_options,
+            unsplit=unsplit,
         )
     except Exception:
         _catch_up(ranks, str(backend_enum), generation)
@@ -319,12 +337,17 @@ def _construct(
     timeout: timedelta,
     description: str,
     pg_options: object | None,
+    *,
+    unsplit: bool = False,
 ) -> dist.ProcessGroup:
     """Build incarnation ``name`` through torch's private helper and record it as torch would.
 
     A gloo group is made closable (:mod:`scopedmesh.c10d.closable`) and forms
     over ``watch``'s store; the watch is finished however construction ends,
     and a failed construction's address is deleted (nobody reads it).
+    The group is bound to WORLD's device, if any (an NCCL communicator then
+    connects here, not at its first collective). ``unsplit``: it forms by its
+    own init over the store rather than as a split of WORLD's communicator.
     """
     made_as: str = backend
     if backend == dist.Backend.GLOO:  # closable; others are torch's own
@@ -337,19 +360,21 @@ def _construct(
     # Pass only what this torch's helper takes (see _HELPER_OPTIONS).
     options_name = "backend_options" if "backend_options" in parameters else "pg_options"
     make_name: Any = getattr(c10d, "GroupName", str)
+    device_id = c10d._get_default_group().bound_device_id  # read before unsplit hides it
     try:
-        group, prefix_store = c10d._new_process_group_helper(
-            len(ranks),
-            ranks.index(dist.get_rank()),
-            ranks,
-            made_as,
-            WatchedStore(store, watch) if watch is not None else store,
-            make_name(name),
-            timeout=timeout,
-            device_id=c10d._get_default_group().bound_device_id,
-            group_desc=description,
-            **{options_name: pg_options},
-        )
+        with _unsplit() if unsplit else contextlib.nullcontext():
+            group, prefix_store = c10d._new_process_group_helper(
+                len(ranks),
+                ranks.index(dist.get_rank()),
+                ranks,
+                made_as,
+                WatchedStore(store, watch) if watch is not None else store,
+                make_name(name),
+                timeout=timeout,
+                device_id=device_id,
+                group_desc=description,
+                **{options_name: pg_options},
+            )
     except Exception:
         if watch is not None:
             watch.finish()

@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d import nccl as _nccl
 from scopedmesh.c10d.diagnosis import Liveness
 from scopedmesh.c10d.store import StoreUse
 from scopedmesh.errors import GroupFormationError, MeshClosedError
@@ -65,13 +66,18 @@ class GroupTable:
     says which peers are lost (:meth:`LivenessWatch.guard
     <scopedmesh.mesh.watch.LivenessWatch.guard>` sets it). ``aborted`` says why
     the table was aborted (:meth:`abort`), ``""`` while it is not.
+    ``fresh_communicators`` says that the table's groups must not derive from
+    WORLD's communicator (a healed mesh's: WORLD holds the lost ranks), so
+    they form by their own init over the store (:func:`scopedmesh.c10d.nccl.unsplit`).
     """
 
     __slots__ = (
         "_adopted",
         "_entries",
         "_recorded",
+        "abort_failures",
         "aborted",
+        "fresh_communicators",
         "grace",
         "live",
         "liveness",
@@ -87,6 +93,8 @@ class GroupTable:
         self.grace = grace  # how long a member waits before it tells its peers what it waits for
         self.liveness: Liveness | None = None
         self.aborted = ""  # why the table was aborted; "" while it is not
+        self.fresh_communicators = False  # True: never split a group from WORLD's (healed)
+        self.abort_failures: list[Exception] = []  # what failed while aborting, first first
         self.lock = threading.RLock()
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
@@ -135,6 +143,7 @@ class GroupTable:
                 grace=self.grace,
                 liveness=self.liveness,
                 store_use=self.store_use,
+                unsplit=self.fresh_communicators,
             )
         except GroupFormationError:  # diagnosed: the message already says it all
             raise
@@ -144,44 +153,60 @@ class GroupTable:
         self._entries[key] = entry
         if self.aborted:  # aborted while it formed: shut it down like the others
             entry.alive = False
-            _interrupt(group, self.aborted)
+            if group is not None:
+                self.abort_failures += _interrupt([group], self.aborted)
         return entry
 
     def abort(self, because: str) -> None:
-        """Refuse every group of the table from now on; shut down the gloo groups it has.
+        """Refuse every group of the table from now on; shut down or abort the groups it has.
 
         An abort is a state of the table, not an action on the groups of the
         moment (as a trio cancel scope is cancelled, not its tasks): a group
-        formed earlier is shut down here (``ClosableGroup.interrupt``), one
-        forming now is shut down when its formation ends, and every later
-        request, from any scope over the table, raises :class:`MeshClosedError`
-        (so does a DeviceMesh made over one of them: ``Binding.check_open``).
-        ``because`` ends the sentence "... was shut down"; the first reason
-        stays. Safe from any thread: it takes no lock (a formation may hold
-        it) and never drops the last reference to a group in a collective.
+        formed earlier is shut down here, one forming now is shut down when its
+        formation ends, and every later request, from any scope over the
+        table, raises :class:`MeshClosedError` (so does a DeviceMesh made over
+        one of them: ``Binding.check_open``). A gloo group is interrupted
+        (``ClosableGroup.interrupt``); every other group, the groups torch made
+        for the scopes' DeviceMeshes included (:meth:`adopt`), is aborted, all
+        in one NCCL group call (:func:`scopedmesh.c10d.nccl.abort_groups`), so a
+        collective blocked on one raises. ``because`` ends the sentence "... was
+        shut down"; the first reason stays. Safe from any thread: it takes no
+        lock (a formation may hold it) and never drops the last reference to a
+        group in a collective. Every group is tried and nothing is raised here
+        (a watch's thread goes on to its other meshes): a failure is kept in
+        :attr:`abort_failures` and told, chained, by every later refusal
+        (:meth:`check_not_aborted`).
         """
         if not self.aborted:
             self.aborted = because
-        for entry in list(self._entries.values()):
+        entries = list(self._entries.values())
+        for entry in entries:
             entry.alive = False  # the mesh's cached lookups go the slow way, which refuses
-            _interrupt(entry.group, self.aborted)
-        for group in list(self._adopted):  # torch's, for a DeviceMesh's _flatten/_unflatten
-            _interrupt(group, self.aborted)
+        held = [entry.group for entry in entries if entry.group is not None]
+        self.abort_failures += _interrupt([*held, *list(self._adopted)], self.aborted)
 
     def adopt(self, group: dist.ProcessGroup) -> None:
-        """Shut ``group`` (made by torch for a scope of this table) down with the table's own
-        on :meth:`abort`; :meth:`destroy` forgets it. Safe from any thread, as ``abort`` is."""
+        """Shut ``group`` (made by torch for a scope of this table: a DeviceMesh's ``_flatten``
+        or ``_unflatten``) down with the table's own on :meth:`abort`, at once if the table is
+        aborted already; :meth:`destroy` forgets it. Safe from any thread, as ``abort`` is."""
         self._adopted.append(group)
         if self.aborted:  # aborted while torch made it
-            _interrupt(group, self.aborted)
+            self.abort_failures += _interrupt([group], self.aborted)
 
     def check_not_aborted(self, what: object) -> None:
-        """Raise :class:`MeshClosedError` naming ``what`` once the table is aborted."""
+        """Raise :class:`MeshClosedError` naming ``what`` once the table is aborted (chained to
+        the first failure of the abort itself, if any, and saying so)."""
         if self.aborted:
-            raise MeshClosedError(
-                f"{what} was aborted: its groups were shut down {self.aborted}. Close it and "
-                "re-form the survivors' mesh (LivenessWatch.heal, or agree_on_lost and reform)"
+            failures = list(self.abort_failures)
+            failed = (
+                f" (aborting them failed too: {type(failures[0]).__name__}: {failures[0]})"
+                if failures
+                else ""
             )
+            raise MeshClosedError(
+                f"{what} was aborted: its groups were shut down {self.aborted}{failed}. Close it "
+                "and re-form the survivors' mesh (LivenessWatch.heal, or agree_on_lost and reform)"
+            ) from (failures[0] if failures else None)
 
     def release(self, entries: Iterable[Entry]) -> list[Exception]:
         """Unregister ``entries`` and destroy their groups, in the order given; no communication.
@@ -223,11 +248,17 @@ class GroupTable:
         return own + list(self._adopted)
 
 
-def _interrupt(group: dist.ProcessGroup | None, because: str) -> None:
-    """Shut ``group`` down if it is a closable gloo group (others have no shutdown)."""
+def _interrupt(groups: list[dist.ProcessGroup], because: str) -> list[Exception]:
+    """Shut ``groups`` down: interrupt the closable gloo groups, abort the others (NCCL's, in
+    one group call). Returns the failures, first first; every group is tried."""
     closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded with the first gloo group
-    if closable is not None and isinstance(group, closable.ClosableGroup):
-        group.interrupt(because)
+    others: list[dist.ProcessGroup] = []
+    for group in groups:
+        if closable is not None and isinstance(group, closable.ClosableGroup):
+            group.interrupt(because)
+        else:
+            others.append(group)
+    return _nccl.abort_groups(others)
 
 
 # Words of torch's store and gloo's transport when members did not meet in time.

@@ -47,7 +47,9 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
     makes no group until asked, so nothing here communicates. Every survivor
     must call it with the same ``lost`` and ``axis``; ranks that lose their
     place (they shared a dropped slice with a lost rank) get ``LostRankError``
-    after ``mesh`` is closed: they sit out of the new mesh.
+    after ``mesh`` is closed: they sit out of the new mesh. The new mesh's
+    groups never derive from WORLD's communicator, which holds the lost ranks
+    (on NCCL they form by their own init over the store, see docs/GPU.md).
     """
     if not isinstance(mesh, ProcessGroupMesh):
         raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
@@ -58,9 +60,11 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
             f"rank {mesh.rank} shares a dropped slice of axis {mesh.layout.axis_name(axis)!r} "
             f"with a lost rank; the survivors' mesh is {list(layout.ranks)}"
         )
-    return ProcessGroupMesh.from_layout(
+    healed = ProcessGroupMesh.from_layout(
         layout, backend=mesh.backend, timeout=mesh.timeout, pg_options=mesh.pg_options
     )
+    healed._table.fresh_communicators = True  # WORLD holds the lost ranks: never split from it
+    return healed
 
 
 def agree_on_lost(

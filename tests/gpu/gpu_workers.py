@@ -9,14 +9,30 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+import threading
 import time
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
+REPO = str(Path(__file__).resolve().parents[2])
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # benchmarks.heal_nccl: the rank placement the suite shares
 
-from scopedmesh import MeshClosedError, ProcessGroupMesh, agree_on_lost, node_aware_mesh, reform
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.heal_nccl import NUMEL, place  # noqa: E402
+from scopedmesh import (  # noqa: E402
+    MeshClosedError,
+    ProcessGroupMesh,
+    agree_on_lost,
+    node_aware_mesh,
+    reform,
+)
+from scopedmesh.c10d import groups as _c10d  # noqa: E402
 
 TIMEOUT = 60.0
 
@@ -27,11 +43,10 @@ def gpus() -> int:
 
 
 def device_for(backend: str, rank: int) -> torch.device:
-    """This rank's device: its own GPU under NCCL, the CPU under gloo."""
+    """This rank's device: under NCCL its GPU and host id (``heal_nccl.place``, the one place
+    they are chosen: two ranks on one GPU present two hosts), the CPU under gloo."""
     if backend == "nccl":
-        index = rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+        return place(rank)
     return torch.device("cpu")
 
 
@@ -177,3 +192,79 @@ def nodes_world(rank: int, world_size: int, backend: str) -> dict[str, Any]:
         tp = mesh.get_group_along_axis("tp")
         assert tp is not None
         return {"tp_ranks": mesh.get_ranks_in_group(tp), "tp_sum": total(tp, device)}
+
+
+def _used_bytes(device: torch.device) -> int:
+    """GPU memory in use on ``device``, every process's (what nvidia-smi shows)."""
+    torch.cuda.synchronize(device)
+    free, total_bytes = torch.cuda.mem_get_info(device)
+    return int(total_bytes - free)
+
+
+def memory_world(rank: int, world_size: int, blocks: int) -> dict[str, Any]:
+    """``blocks`` scoped blocks, each a group over every rank and a 4 MiB all_reduce, then
+    as many groups made with ``new_group`` and kept: groups and GPU bytes after each."""
+    device = device_for("nccl", rank)
+    torch.ones(1, device=device)  # the CUDA context, before the baseline
+    dist.barrier()
+    groups, base = _c10d.live_group_count(), _used_bytes(device)
+    for _ in range(blocks):
+        with ProcessGroupMesh(world_size, names=("dp",), backend="nccl", timeout=TIMEOUT) as m:
+            g = m.get_group_along_axis("dp")
+            dist.all_reduce(torch.ones(NUMEL, device=device), group=g)
+            torch.cuda.synchronize(device)
+    dist.barrier()
+    out: dict[str, Any] = {
+        "scoped_groups": _c10d.live_group_count() - groups,
+        "scoped_bytes": _used_bytes(device) - base,
+    }
+    kept = []
+    for _ in range(blocks):
+        g = dist.new_group(list(range(world_size)), backend="nccl")
+        dist.all_reduce(torch.ones(NUMEL, device=device), group=g)
+        torch.cuda.synchronize(device)
+        kept.append(g)
+    dist.barrier()
+    out["kept_groups"] = _c10d.live_group_count() - groups
+    out["kept_bytes"] = _used_bytes(device) - base
+    for g in kept:
+        dist.destroy_process_group(g)
+    return out
+
+
+def kept_handle_world(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 0 starts an all_reduce rank 1 never joins and keeps its handle; another thread
+    aborts the mesh (as a liveness watch does). The handle must not report success."""
+    device = device_for("nccl", rank)
+    store = _c10d.default_store()
+    mesh = ProcessGroupMesh(world_size, names=("dp",), backend="nccl", timeout=TIMEOUT)
+    dp = mesh.get_group_along_axis("dp")
+    assert dp is not None
+    out: dict[str, Any] = {"first_sum": total(dp, device)}
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(NUMEL, device=device), group=dp, async_op=True)
+        assert work is not None
+        threading.Timer(1.0, mesh._table.abort, args=("by the test's thread",)).start()
+        start = time.monotonic()
+        try:
+            work.wait()
+            torch.cuda.synchronize(device)
+            out["waited"] = "returned"
+        except RuntimeError as error:
+            out["waited"] = type(error).__name__
+        out["seconds"] = time.monotonic() - start
+        out["completed"] = work.is_completed()
+        try:
+            out["success"] = work.is_success()
+        except RuntimeError as error:
+            out["success"] = f"raised {type(error).__name__}"
+        try:
+            mesh.get_group_along_axis("dp")
+            out["refused"] = False
+        except MeshClosedError:
+            out["refused"] = True
+        store.set("kept/done", "1")
+    else:
+        store.wait(["kept/done"], timedelta(seconds=TIMEOUT))
+    mesh.close()
+    return out

@@ -1,6 +1,7 @@
 """NCCL on real GPUs: the gloo suite's guarantees, one for one (see gpu_workers.py).
 
-World size = the GPUs present (an even number of them is used). Skipped without 2 GPUs.
+World size = the GPUs present (an even number of them is used), or two ranks on one GPU
+(``heal_nccl.place``). Skipped without a GPU.
 ``test_cpu_dry_run`` runs the same rank code on gloo so that the logic is proven here too.
 """
 
@@ -15,7 +16,7 @@ from scopedmesh.testing import run_world
 
 
 def world_size() -> int:
-    return max(2, workers.gpus() - workers.gpus() % 2)
+    return max(2, workers.gpus() - workers.gpus() % 2)  # two ranks on a lone GPU
 
 
 def check_mesh(results: list[dict[str, Any]], kept_handle_fails: bool = True) -> None:

@@ -1,0 +1,299 @@
+"""Heal on NCCL: from a SIGKILL to the survivors' first step on the re-formed mesh (a GPU host).
+
+    python -m benchmarks.heal_nccl                 # 10 kills, 2 ranks per GPU pair (or on 1 GPU)
+    python -m benchmarks.heal_nccl --kills 20 --bound   # WORLD bound to the device (device_id)
+
+Each kill is a fresh world of spawned ranks (the store hosted by the launcher,
+as torchrun's agent hosts it), each on its GPU, or two on one GPU with a host id
+each (:func:`place`). Every rank trains on a guarded NCCL mesh (``dp`` over all
+ranks): every step all-reduces 4 MiB along ``dp`` and checks the sum. Once
+every rank has done a few steps, the launcher waits a random fraction of a
+few steps' time and SIGKILLs a random rank. The watch aborts the survivors'
+NCCL communicators; they agree, re-form without the dead rank (by their own
+init, never split from WORLD's communicator) and train on; every step's sum
+must be that of its members. Per kill a row of seconds from the kill to the
+latest survivor's detect, abort (its step raised), agree, re-form and first
+step, as ``benchmarks.heal`` prints for gloo; last,
+``heal: median X s, max Y s over N kills (...)``.
+
+Needs ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` on the stock NCCL backend (the
+launcher sets it for its ranks; see docs/GPU.md). Two ranks on one GPU is a test
+rig for the library's logic, not an NCCL setup NVIDIA supports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh import MeshClosedError, ProcessGroupMesh, reform
+from scopedmesh.c10d.nccl import check_error_handling
+from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.testing.launcher import world_context
+
+PHASES = ("detect", "abort", "agree", "re-form", "first step")
+NUMEL = 1 << 20  # 4 MiB of float32 per step
+# What every rank of a GPU world needs in its environment before torch makes an NCCL group.
+RANK_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+ONE_GPU_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+def place(rank: int) -> torch.device:
+    """This rank's GPU, and the host NCCL should take it for: the one place both are chosen.
+
+    With 2 or more GPUs, rank ``r`` uses GPU ``r % count`` and NCCL sees the real
+    host. With one GPU (the test rig), every rank uses it and presents its own
+    ``NCCL_HOSTID``, so NCCL takes the ranks for separate hosts and connects them
+    over its socket transport (``NCCL_SOCKET_IFNAME=lo``, ``NCCL_IB_DISABLE=1``);
+    set before this process makes its first NCCL communicator.
+    """
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError("place: no CUDA device is visible to torch")
+    if count == 1:
+        os.environ["NCCL_HOSTID"] = f"scopedmesh-rank-{rank}"
+        for name, value in ONE_GPU_ENV.items():
+            os.environ.setdefault(name, value)
+    index = rank % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def world_size() -> int:
+    """Ranks per world: every GPU (an even number of them), or two on one GPU."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(2, count - count % 2)
+
+
+def bind_world(rank: int, world: int, device: torch.device, port: int) -> None:
+    """Re-initialise WORLD as NCCL bound to ``device`` (``device_id``): torch then splits
+    new NCCL groups from WORLD's communicator, except a healed mesh's."""
+    dist.barrier()  # every rank through gloo WORLD's formation before any destroys it
+    dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl",
+        store=dist.PrefixStore("bound/", store),
+        rank=rank,
+        world_size=world,
+        device_id=device,
+        timeout=timedelta(seconds=60),
+    )
+
+
+def _step(mesh: ProcessGroupMesh, step: int, device: torch.device) -> list[Any]:
+    """One step: all_reduce 4 MiB along dp; the sum and the members that made it.
+
+    On NCCL the host learns that a collective ended from a CUDA synchronize;
+    an abort makes the kernel exit early, so the mesh is asked again after it
+    (an aborted mesh raises :class:`MeshClosedError`) before the sum counts.
+    """
+    dp = mesh.get_group_along_axis("dp")
+    if dp is None:  # every rank is in its dp group; a None would be the library's bug
+        raise RuntimeError(f"rank {dist.get_rank()} got no dp group from {mesh!r}")
+    t = torch.full((NUMEL,), float(step + 1) * (dist.get_rank() + 1), device=device)
+    dist.all_reduce(t, group=dp)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    mesh.get_group_along_axis("dp")  # raises if the watch aborted the mesh meanwhile
+    return [step, float(t[0].item()), mesh.get_ranks_in_group(dp)]
+
+
+def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """Train until ``plan["steps"]`` (and ``plan["seconds"]`` after a heal) on a guarded mesh."""
+    backend = plan.get("backend", "nccl")  # "gloo": the same run on the CPU (a dry run)
+    device = place(rank) if backend == "nccl" else torch.device("cpu")
+    if plan.get("bound"):
+        bind_world(rank, world, device, plan["port"])
+    check_error_handling(backend, os.environ)  # what LivenessWatch.guard will check
+    out: dict[str, Any] = {"steps": [], "events": []}
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    mesh = watch.guard(ProcessGroupMesh(world, names=("dp",), backend=backend, timeout=60))
+    Path(outdir, f"pid{rank}").write_text(str(os.getpid()))
+    step, healed_at = 0, None
+    while step < plan["steps"] or (
+        healed_at is not None and time.time() - healed_at < plan.get("seconds", 0.0)
+    ):
+        try:
+            out["steps"].append(_step(mesh, step, device))
+        except (RuntimeError, MeshClosedError) as error:
+            event: dict[str, Any] = {"raised": time.time(), "error": type(error).__name__}
+            lost = watch.agree(mesh)
+            event.update(lost=sorted(lost), agreed=time.time())
+            event["learned"] = min(watch.learned_at(r) or time.time() for r in lost)
+            mesh = watch.guard(reform(mesh, lost, "dp"))
+            mesh.get_group_along_axis("dp")
+            event["reformed"] = time.time()
+            out["steps"].append(_step(mesh, step, device))
+            event["first_step"] = time.time()
+            out["events"].append(event)
+            healed_at = healed_at or event["raised"]
+        step += 1
+        Path(outdir, f"step{rank}").write_text(str(step))
+    out["healed_for"] = time.time() - healed_at if healed_at else 0.0
+    mesh.close()
+    watch.close()
+    return out
+
+
+def _child(rank: int, world: int, port: int, outdir: str, plan: dict[str, Any]) -> None:
+    os.environ.update(RANK_ENV)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        report = rank_main(rank, world, outdir, plan)
+    except BaseException:
+        report = {"unexpected": traceback.format_exc()}
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    os._exit(0)  # a world with a dead member cannot tear down together
+
+
+def _steps_done(outdir: str, ranks: range) -> int:
+    done = []
+    for r in ranks:
+        path = Path(outdir, f"step{r}")
+        done.append(int(path.read_text() or 0) if path.exists() else 0)
+    return min(done)
+
+
+def launch(plan: dict[str, Any], rng: random.Random, timeout: float = 300.0) -> dict[str, Any]:
+    """One world: train, SIGKILL a random rank at a random moment from here, let the rest heal."""
+    world = plan["world"]
+    victim = rng.randrange(world)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    plan = {**plan, "port": store.port}
+    with TemporaryDirectory() as outdir:
+        ctx = world_context("spawn")  # CUDA: never fork a process that may have touched it
+        procs = [
+            ctx.Process(target=_child, args=(r, world, store.port, outdir, plan))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while _steps_done(outdir, range(world)) < plan["warm"]:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                    raise RuntimeError(f"the world did not warm up ({plan['warm']} steps)")
+                time.sleep(0.01)
+            delay = rng.uniform(0.0, plan["window"])
+            time.sleep(delay)
+            killed_at = time.time()
+            os.kill(procs[victim].pid or 0, signal.SIGKILL)
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        reports = {
+            int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")
+        }
+    return {"victim": victim, "killed_at": killed_at, "delay": delay, "reports": reports}
+
+
+def check(kill: dict[str, Any]) -> None:
+    """Every survivor healed once, lost only the victim, and every step summed its members."""
+    victim, reports = kill["victim"], kill["reports"]
+    for rank, report in reports.items():
+        if "unexpected" in report:
+            raise AssertionError(f"rank {rank}:\n{report['unexpected']}")
+        if rank == victim:
+            continue
+        if [e["lost"] for e in report["events"]] != [[victim]]:
+            raise AssertionError(f"rank {rank} healed {report['events']}")
+        for step, value, members in report["steps"]:
+            if value != (step + 1) * sum(m + 1 for m in members):
+                raise AssertionError(f"rank {rank} step {step}: {value} over {members}")
+
+
+def phases(kill: dict[str, Any]) -> list[float]:
+    """Seconds from the kill to the latest survivor's detect, abort, agree, re-form, first step."""
+    events = [r["events"][0] for rank, r in kill["reports"].items() if rank != kill["victim"]]
+    keys = ("learned", "raised", "agreed", "reformed", "first_step")
+    return [max(e[k] for e in events) - kill["killed_at"] for k in keys]
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.1f}/{five:.1f}"
+
+
+def _summary(rows: list[list[float]]) -> str:
+    totals = [row[-1] for row in rows]
+    medians = [statistics.median(row[i] for row in rows) for i in range(len(PHASES))]
+    return (
+        f"median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
+        f"{len(rows)} kills (detect {medians[0]:.3f}, abort {medians[1]:.3f}, agree "
+        f"{medians[2]:.3f}, re-form {medians[3]:.3f}, first step {medians[4]:.3f})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--bound", action="store_true", help="WORLD bound to the device")
+    parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on the CPU, 2 ranks")
+    args = parser.parse_args(argv)
+    if args.cpu_dry_run:
+        return _report(args, {"world": 2, "backend": "gloo"}, "CPU dry run (gloo), 2 ranks")
+    if not torch.cuda.is_available():
+        print(
+            "heal_nccl: no CUDA device is visible to torch; run it on a GPU host", file=sys.stderr
+        )
+        return 1
+    nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    where = (
+        f"{world_size()} ranks on {torch.cuda.device_count()} GPU(s) "
+        f"({torch.cuda.get_device_name(0)}), NCCL {nccl}, WORLD {'bound' if args.bound else 'gloo'}"
+    )
+    return _report(args, {"world": world_size(), "bound": args.bound}, where)
+
+
+def _report(args: argparse.Namespace, plan: dict[str, Any], where: str) -> int:
+    """Run ``args.kills`` kills of ``plan`` and print the rows and the summary lines."""
+    world = plan["world"]
+    plan = {"steps": 40, "warm": 5, "window": 0.05, **plan}
+    rng = random.Random(args.seed)
+    print(
+        f"{world}x1 (dp), {where}, {args.kills} kills, mesh timeout 60 s, torch "
+        f"{torch.__version__}, {_load()}",
+        flush=True,
+    )
+    print(f"{'kill':>4} {'rank':>4} " + " ".join(f"{p:>10}" for p in PHASES), flush=True)
+    rows, record = [], []
+    for number in range(args.kills):
+        kill = launch(plan, rng)
+        check(kill)
+        row = phases(kill)
+        rows.append(row)
+        record.append({"victim": kill["victim"], "delay": kill["delay"], "phases": row})
+        print(f"{number + 1:>4} {kill['victim']:>4} " + " ".join(f"{t:>10.3f}" for t in row))
+    print(f"{world}x1: {_summary(rows)}; {_load()}", flush=True)
+    if args.out:
+        args.out.write_text(
+            json.dumps({"torch": torch.__version__, "where": where, "kills": record})
+        )
+    print(f"heal: {_summary(rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

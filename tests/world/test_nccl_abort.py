@@ -1,0 +1,71 @@
+"""NCCL's side of healing, dry-run on the CPU (issue 33): no GPU needed.
+
+A registered Python backend stands in for NCCL (tests/world/_nccl_double.py):
+it records every ``abort()`` and NCCL group call, and its collectives stay in
+flight until their group is aborted. What runs is the library's own code: the
+group table's abort from a liveness watch's thread, and the construction path
+of a healed mesh. The GPU suite (tests/gpu, ``bash .ci/gpu``) runs the same
+paths on NCCL.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import _workers_nccl as workers
+
+from benchmarks import heal_nccl
+from scopedmesh.testing import run_world
+
+
+def test_the_watch_aborts_every_non_gloo_group_of_the_mesh_in_one_nccl_group_call() -> None:
+    """Rank 3 of a guarded 2 x 2 mesh is SIGKILLed by rank 0. On each survivor the watch's
+    thread aborts every group the mesh holds that is not gloo (its own, a view's, a
+    sub-mesh's, the group torch flattened for its DeviceMesh), all between one
+    _group_start and _group_end, and interrupts its gloo group. No handle kept from before
+    the abort reports success."""
+    results = run_world(workers.aborted_from_the_watch, 4, allow_exit=[workers.VICTIM], timeout=240)
+    assert results[workers.VICTIM] is None
+    for rank in (0, 1, 2):
+        out = results[rank]
+        assert out["lost"] == [workers.VICTIM], out
+        assert out["aborted"] == out["held"], out  # every group, each once
+        assert len(out["held"]) == 5, out  # tp, dp, the view's, the sub-mesh's, the flattened
+        n = len(out["held"])
+        assert out["events"] == ["group_start"] + ["abort"] * n + ["group_end"], out
+        assert out["on_watch_thread"] is True, out
+        assert out["gloo_released"] is True, out
+        for what, (completed, success, waited) in out["kept"].items():
+            assert completed is True and success is False, (rank, what)
+            assert waited.startswith("raised"), (rank, what, waited)
+
+
+def test_a_healed_meshs_groups_never_split_from_a_bound_world() -> None:
+    """With WORLD bound to a device, torch's helper splits a new NCCL group from WORLD's
+    communicator, which holds the lost rank. A mesh's groups keep that fast path; a healed
+    mesh's (its sub-meshes' too) reach the helper with WORLD unbound, still bound to the
+    device themselves (an NCCL group then connects by its own init over the store)."""
+    for out in run_world(workers.formation_arguments, 2, timeout=240):
+        assert out["before"] == [["cuda:0", "cuda:0"]], out
+        assert out["after"] == [[None, "cuda:0"], [None, "cuda:0"]], out
+        assert out["bound_after"] == "cuda:0", out
+
+
+@pytest.mark.fault
+def test_the_nccl_heal_benchmark_dry_run_on_gloo_heals_with_the_right_sums() -> None:
+    """benchmarks/heal_nccl.py's rank code and launcher on the CPU (gloo): the launcher
+    SIGKILLs a random rank of 2 at a random moment; the survivor heals, trains on, and
+    every step sums its members (heal_nccl.check). Its NCCL parts run on a GPU host only."""
+    rng = random.Random(33)
+    plan = {"world": 2, "backend": "gloo", "steps": 40, "warm": 5, "window": 0.05}
+    for _ in range(2):
+        kill = heal_nccl.launch(plan, rng, timeout=240)
+        heal_nccl.check(kill)
+        assert len(heal_nccl.phases(kill)) == len(heal_nccl.PHASES)
