@@ -194,9 +194,9 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
             time.sleep(plan.get("slow_agree", {}).get(str(rank), 0))
             try:
                 lost = watch.agree(mesh, tag=tag)
-                # How each member was accounted for ("alive", or "lost:<the rank that saw
-                # it>"), read before the last watch to close deletes the slots.
-                event["slots"] = {r: read(store, keys.slot(r)) for r in mesh.layout.ranks}
+                # How each member was accounted for, read before the last watch to close
+                # deletes the agreement's keys.
+                event["accounted"] = {r: accounted_as(store, keys, r) for r in mesh.layout.ranks}
                 event["agreed_at"], event["lost"] = time.time(), sorted(lost)
                 mesh = watch.guard(reform(mesh, lost, "dp"))
                 mesh.create_groups(*NAMES)
@@ -240,6 +240,19 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
         Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
     )
     return report
+
+
+def accounted_as(store: Any, keys: Any, rank: int) -> str | None:
+    """How agreement ``keys`` accounted for ``rank``: ``"alive"`` (it checked in itself),
+    ``"lost"`` (a survivor did), or None (not yet). Reads either protocol's keys: one
+    list of ``rank:state,`` entries (``keys.entries``), or a slot per member."""
+    entries = getattr(keys, "entries", None)
+    if entries is not None:
+        items = (read(store, entries) or "").split(",")
+        states = {state for r, _, state in (i.partition(":") for i in items) if r == str(rank)}
+        return "alive" if "alive" in states else ("lost" if states else None)
+    value = read(store, keys.slot(rank))
+    return None if value is None else value.partition(":")[0]
 
 
 # ============================================================ a world whose store lives here

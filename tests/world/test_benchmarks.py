@@ -301,8 +301,9 @@ def test_heal_common_docstring_examples() -> None:
 def test_a_rank_that_checks_in_then_dies_had_checked_in() -> None:
     """Rank 6 checks in through the agreement's own protocol, then SIGKILLs itself.
 
-    Every survivor reads the slots after agreeing: rank 6's says ``alive`` (it
-    checked in), rank 5's (killed before) ``lost:<who saw it>``; all decide {5, 6}.
+    Every survivor reads, after agreeing, how the agreement accounted for each
+    member: rank 6 as ``alive`` (it checked in itself), rank 5 (killed before) as
+    ``lost`` (a survivor did); all decide {5, 6}.
     """
     from benchmarks import heal_plan
 
@@ -315,7 +316,7 @@ def test_a_rank_that_checks_in_then_dies_had_checked_in() -> None:
     for rank in survivors:
         assert "unexpected" not in reports[rank], reports[rank]["unexpected"]
         event = reports[rank]["events"][0]
-        assert event["slots"]["6"] == "alive", (rank, event["slots"])
-        assert event["slots"]["5"].startswith("lost:"), (rank, event["slots"])
+        assert event["accounted"]["6"] == "alive", (rank, event["accounted"])
+        assert event["accounted"]["5"] == "lost", (rank, event["accounted"])
         assert event["lost"] == [5, 6], (rank, event)
     assert result["watch_keys"] == []
