@@ -1,9 +1,10 @@
 """Under torchrun, one agent per replica group: a crash stops only its replica, the rest heal.
 
 ``examples/launch_replicas.py`` starts 3 agents (``--nnodes 3 --nproc-per-node 2``,
-c10d rendezvous on 127.0.0.1, agent 0 hosting the store) running
-``examples/heal_replicas.py``; it SIGKILLs a worker of agent 1, then one of
-agent 2. The workers of the other agents heal in place each time, and agent 0's
+c10d rendezvous on 127.0.0.1) running ``examples/heal_replicas.py``; it
+SIGKILLs a worker of node 1, then one of node 2 (node 0's agent holds the
+workers' store, and the rendezvous need not make the first agent started node
+0). The workers of the other agents heal in place each time, and node 0's
 workers finish every step with correct sums on a mesh of one replica.
 
 The killed worker's sibling is stopped by its torchrun agent once the agent's
@@ -55,12 +56,13 @@ def test_three_agents_two_crashes_the_other_replicas_heal_in_place() -> None:
     text = result.text()
     assert not result.timed_out, text[-6000:]
     assert result.leftovers == []
-    assert [agent for _, agent, _ in result.kills] == [1, 2], text[-6000:]
-    assert result.returncodes[1] != 0 and result.returncodes[2] != 0  # their replicas crashed
+    assert [result.nodes[agent] for _, agent, _ in result.kills] == [1, 2], text[-6000:]
+    agent_of = {node: agent for agent, node in result.nodes.items()}
+    assert result.returncodes[agent_of[1]] != 0 and result.returncodes[agent_of[2]] != 0
     assert "SIGKILL" in text or "exitcode: -9" in text  # torchrun names the killed worker
-    ranks = {agent: set() for agent in range(3)}
-    for m in re.finditer(r"^\[agent (\d)\] rank (\d+) pid", text, re.M):
-        ranks[int(m[1])].add(int(m[2]))
+    ranks: dict[int, set[int]] = {node: set() for node in range(3)}  # node -> its workers
+    for m in re.finditer(r"^\[agent \d\] rank (\d+) pid \d+ agent \d+ node (\d)", text, re.M):
+        ranks[int(m[2])].add(int(m[1]))
     assert all(len(r) == 2 for r in ranks.values()), ranks
     killed = [rank for rank, _, _ in result.kills]
     heals: dict[int, list[tuple[set[int], tuple[int, int], set[int]]]] = {}
@@ -68,7 +70,7 @@ def test_three_agents_two_crashes_the_other_replicas_heal_in_place() -> None:
         lost = {int(r) for r in m[3].split(",")}
         over = {int(r) for r in m[6].split(",")}
         heals.setdefault(int(m[2]), []).append((lost, (int(m[4]), int(m[5])), over))
-    # The meshes: 3 replicas -> 2 -> 1 on agent 0's workers, 3 -> 2 on agent 2's.
+    # The meshes: 3 replicas -> 2 -> 1 on node 0's workers, 3 -> 2 on node 2's.
     meshes = {rank: [(shape, over) for _, shape, over in heals.get(rank, [])] for rank in ranks[0]}
     assert meshes == {
         rank: [((2, 2), ranks[0] | ranks[2]), ((1, 2), ranks[0])] for rank in ranks[0]
