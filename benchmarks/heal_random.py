@@ -21,17 +21,14 @@ Axes of size 1 have no collective.
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
 import signal
 import struct
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -39,8 +36,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.heal import BATCH, HID, IN, LR, batch, initial_weights
-from benchmarks.heal import reference as small_reference
+from benchmarks.heal_common import (
+    BATCH,
+    HID,
+    IN,
+    LR,
+    PHASES,
+    batch,
+    child,
+    initial_weights,
+    rank_reports,
+)
+from benchmarks.heal_common import reference as small_reference
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
 from scopedmesh.mesh.watch import LivenessWatch
 from scopedmesh.testing.launcher import world_context
@@ -53,7 +60,6 @@ SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "4x4": ((4, 4), ("dp", "tp")),
     "4x1": ((4, 1), ("dp", "tp")),
 }
-PHASES = ("detect", "abort", "agree", "re-form", "first step")
 
 # Where a rank is, in its slot of the status file the launcher reads before it kills.
 WHERE = (
@@ -313,23 +319,6 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
 # ============================================================ the launcher
 
 
-def _child(
-    fn: Callable[..., dict[str, Any]], rank: int, world: int, port: int, outdir: str, plan: Any
-) -> None:
-    report: dict[str, Any]
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
-        torch.set_num_threads(1)
-        report = fn(rank, world, outdir, plan)
-    except BaseException:
-        report = {"unexpected": traceback.format_exc()}
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
-    os._exit(0)  # a world with a dead member cannot tear down together
-
-
 @dataclass
 class Kill:
     """One kill: whom, when, where it was, and what every rank reported."""
@@ -351,11 +340,6 @@ def reap(procs: Sequence[Any], status: Status) -> None:
             p.kill()
             p.join(5)
     status.close()
-
-
-def rank_reports(outdir: str | Path) -> dict[int, Any]:
-    """Each rank's report (``rank<N>.json`` in ``outdir``), by rank."""
-    return {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")}
 
 
 def step_time(
@@ -392,7 +376,7 @@ def launch(
         status = Status(Path(outdir, "status"), world, create=True)
         ctx = world_context()
         procs = [
-            ctx.Process(target=_child, args=(rank_main, r, world, store.port, outdir, plan))
+            ctx.Process(target=child, args=(rank_main, r, world, store.port, outdir, plan))
             for r in range(world)
         ]
         marks = {"started": time.monotonic()}

@@ -33,9 +33,7 @@ import os
 import random
 import signal
 import statistics
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,15 +43,8 @@ from typing import Any
 import torch
 
 from benchmarks import heal_random
-from benchmarks.heal_random import (
-    Status,
-    apply,
-    gradients,
-    initial,
-    rank_reports,
-    reap,
-    step_time,
-)
+from benchmarks.heal_common import load, rank_reports, report_and_exit
+from benchmarks.heal_random import Status, apply, gradients, initial, reap, step_time
 from scopedmesh.testing.launcher import world_context
 
 REPLICAS = 4
@@ -177,12 +168,8 @@ def _no_tp(tensor: torch.Tensor, axis: str) -> None:
 
 
 def _child(index: int, outdir: str, plan: dict[str, Any]) -> None:
-    try:
-        report = replica_main(index, outdir, plan)
-    except BaseException:
-        report = {"unexpected": traceback.format_exc()}
-    Path(outdir, f"rank{index}.json").write_text(json.dumps(report))
-    os._exit(0)
+    """A forked replica (no process group: torchft makes its own); its report."""
+    report_and_exit(outdir, index, lambda: replica_main(index, outdir, plan))
 
 
 class NotWarm(RuntimeError):
@@ -296,7 +283,11 @@ def heal_time(killed: Killed) -> tuple[float, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Interleave, kill by kill: scopedmesh, torchft with defaults, torchft with its tests' values."""
+    """Interleave, kill by kill: scopedmesh, torchft with defaults, torchft with its tests' values.
+
+    The mode ``python -m benchmarks.heal --against torchft`` runs (10 kills and a 10 s
+    collective timeout unless ``--kills``, ``--timeout`` say otherwise).
+    """
     try:
         import torchft  # noqa: F401
         from torchft._torchft import LighthouseServer  # noqa: F401
@@ -304,17 +295,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"torchft cannot run here: {type(error).__name__}: {error}")
         print('install it with: pip install -e ".[torchft]"  (torchft==0.2.0, torch>=2.7)')
         return 1
-    kills = args.kills
+    kills = 10 if args.kills is None else args.kills
+    timeout = 10.0 if args.timeout is None else args.timeout
     seed = random.Random(args.seed)
     started = time.monotonic()
-    load_before = _load()
+    load_before = load()
     systems = ["scopedmesh", *CONFIGS]
     times: dict[str, list[float]] = {name: [] for name in systems}
     failures: list[str] = []
-    plan = heal_random.plan_for("4x1", timeout=args.timeout)
+    plan = heal_random.plan_for("4x1", timeout=timeout)
     print(
         f"{REPLICAS} replicas of 1 rank, gloo, a 4 MiB all_reduce per step, {kills} kills each, "
-        f"collective timeout {args.timeout:g} s on both; {load_before}",
+        f"collective timeout {timeout:g} s on both; {load_before}",
         flush=True,
     )
     for name, config in CONFIGS.items():
@@ -331,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
                 took, where = heal_random.phases(kill)[-1], kill.where
             else:
                 try:
-                    killed = launch(CONFIGS[name], rng, timeout=args.timeout)
+                    killed = launch(CONFIGS[name], rng, timeout=timeout)
                     took, failure = heal_time(killed)
                     where = killed.where
                 except NotWarm as error:
@@ -354,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
         )
     ours = medians["scopedmesh"]
     wall = time.monotonic() - started
-    print(f"wall {wall:.0f} s; {load_before} before, {_load()} after", flush=True)
+    print(f"wall {wall:.0f} s; {load_before} before, {load()} after", flush=True)
     ratios = ", ".join(f"{name} {medians[name] / ours:.1f}x" for name in CONFIGS)
     fastest = min((m for n, m in medians.items() if n in CONFIGS and m == m), default=math.nan)
     verdict = "met" if ours <= fastest / 2 else "missed"
@@ -371,7 +363,7 @@ def main(args: argparse.Namespace) -> int:
                     "torchft_configs": CONFIGS,
                     "wall_s": wall,
                     "load_before": load_before,
-                    "load_after": _load(),
+                    "load_after": load(),
                     "times": times,
                     "failures": failures,
                 },
@@ -380,14 +372,3 @@ def main(args: argparse.Namespace) -> int:
             + "\n"
         )
     return 0
-
-
-def _load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load {one:.1f}/{five:.1f}"
-
-
-if __name__ == "__main__":
-    from benchmarks.heal import main as heal_main
-
-    sys.exit(heal_main(["--against", "torchft", *sys.argv[1:]]))

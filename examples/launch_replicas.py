@@ -4,13 +4,16 @@
     .venv/bin/python examples/launch_replicas.py --agents 3 --nproc-per-node 2 --kills 2
 
 Starts ``--agents`` torchrun agents on this machine (``--nnodes N
---nproc-per-node P``, c10d rendezvous on 127.0.0.1; agent 0 hosts the
-rendezvous and the store, ``--rdzv-conf is_host=1``), each running
-``examples/heal_replicas.py``: agent ``n``'s workers are the tp ranks of dp
-slice ``n``. Once every worker has taken a few steps, a worker of agent 1 is
-SIGKILLed; its agent stops its other worker and exits. The workers of the other
-agents learn of it through their liveness watch, drop that dp slice and go on.
-Then a worker of agent 2 is killed, and the workers of agent 0 heal again.
+--nproc-per-node P``, c10d rendezvous on 127.0.0.1; the first agent started
+hosts the rendezvous, ``--rdzv-conf is_host=1``), each running
+``examples/heal_replicas.py``: the workers of the agent the rendezvous makes
+node ``n`` are the tp ranks of dp slice ``n``. The workers' store lives in
+node 0's agent, which the rendezvous need not give to the first agent
+started, so the kills go by node: once every worker has taken a few steps, a
+worker of node 1 is SIGKILLed; its agent stops its other worker and exits. The
+workers of the other agents learn of it through their liveness watch, drop
+that dp slice and go on. Then a worker of node 2 is killed, and the workers of
+node 0 heal again.
 
 torchrun's agents wait (300 s, not configurable) at exit for agents that
 failed, so once every surviving worker has said ``done`` this script stops the
@@ -45,6 +48,7 @@ class Launch:
 
     lines: list[tuple[int, str]] = field(default_factory=list)
     kills: list[tuple[int, int, float]] = field(default_factory=list)  # (rank, agent, time)
+    nodes: dict[int, int] = field(default_factory=dict)  # agent index -> its node (GROUP_RANK)
     returncodes: list[int | None] = field(default_factory=list)
     leftovers: list[int] = field(default_factory=list)
     timed_out: bool = False
@@ -80,7 +84,7 @@ def marked(launch_id: str) -> list[int]:
 def launch(
     *, agents: int = 3, nproc: int = 2, kills: int = 2, steps: int = 60, timeout: float = 300.0
 ) -> Launch:
-    """Run the agents, kill a worker of agents 1, 2, ... in turn; return what happened."""
+    """Run the agents, kill a worker of nodes 1, 2, ... in turn; return what happened."""
     launch_id, port = uuid.uuid4().hex, free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **{MARKER: launch_id})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
@@ -99,15 +103,19 @@ def launch(
         rank, pid = int(match[1]), int(match[2])
         with lock:
             workers[rank] = (pid, agent)
+            result.nodes[agent] = int(match[4])
             text = match[5]
             if text.startswith("step ") and " sums " in text:
                 progress[rank] = progress.get(rank, 0) + 1
             if text.startswith("done") or text.startswith("sits out"):
                 done.add(rank)
-            victim_agent = len(result.kills) + 1
-            alive = [r for r, (_, a) in workers.items() if a not in range(1, victim_agent)]
+            # Node 0's agent holds the workers' store: the kills hit nodes 1, 2, ...
+            victim_node = len(result.kills) + 1
+            node_of = {r: result.nodes[a] for r, (_, a) in workers.items()}
+            alive = [r for r in workers if node_of[r] not in range(1, victim_node)]
             ready = len(workers) == agents * nproc and all(progress.get(r, 0) >= 5 for r in alive)
-            if len(result.kills) < kills and victim_agent < agents and ready:
+            if len(result.kills) < kills and victim_node < agents and ready:
+                victim_agent = next(a for a, n in result.nodes.items() if n == victim_node)
                 rank_b = min(r for r, (_, a) in workers.items() if a == victim_agent)
                 os.kill(workers[rank_b][0], signal.SIGKILL)
                 result.kills.append((rank_b, victim_agent, time.time()))
@@ -141,7 +149,8 @@ def launch(
             reader.start()
             readers.append(reader)
         # A worker's lines come through its agent's pipe, so the index is known; the
-        # rendezvous orders the agents itself (GROUP_RANK need not equal the index).
+        # rendezvous orders the agents itself (GROUP_RANK need not equal the index:
+        # Launch.nodes maps one to the other).
         deadline = start + timeout
         while time.monotonic() < deadline:
             with lock:

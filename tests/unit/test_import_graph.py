@@ -77,6 +77,12 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, known) for name, path in modules.items()}
 
 
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """The import graph, parsed once for the module's tests (each only reads it)."""
+    return _graph()
+
+
 def _internal(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return {
         name: {t for t in targets if t in graph and t != name} for name, targets in graph.items()
@@ -116,7 +122,7 @@ def test_find_cycle_finds_cycles() -> None:
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_imports_inside_functions_count(tmp_path: Path) -> None:
+def test_imports_inside_functions_count(tmp_path: Path, graph: dict[str, set[str]]) -> None:
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from scopedmesh import mesh\n    import scopedmesh.plan.cli\n")
     assert _imports("scopedmesh.m", source, {"scopedmesh.mesh"}) == {
@@ -124,16 +130,16 @@ def test_imports_inside_functions_count(tmp_path: Path) -> None:
         "scopedmesh.plan.cli",
     }
     # The package's lazy ProcessGroupMesh is an import inside __getattr__.
-    assert "scopedmesh.mesh" in _graph()["scopedmesh"]
+    assert "scopedmesh.mesh" in graph["scopedmesh"]
 
 
-def test_no_import_cycle_inside_scopedmesh() -> None:
-    cycle = _find_cycle(_internal(_graph()))
+def test_no_import_cycle_inside_scopedmesh(graph: dict[str, set[str]]) -> None:
+    cycle = _find_cycle(_internal(graph))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_mesh_never_imports_interop() -> None:
-    graph = _internal(_graph())
+def test_mesh_never_imports_interop(graph: dict[str, set[str]]) -> None:
+    graph = _internal(graph)
     assert "scopedmesh.mesh.process_group_mesh" in graph["scopedmesh.mesh.interop"]
     reachable, todo = set(), ["scopedmesh.mesh.process_group_mesh"]
     while todo:
@@ -143,9 +149,9 @@ def test_mesh_never_imports_interop() -> None:
     assert "scopedmesh.mesh.interop" not in reachable
 
 
-def test_integrations_are_leaves_nothing_imports() -> None:
+def test_integrations_are_leaves_nothing_imports(graph: dict[str, set[str]]) -> None:
     """An optional integration (an extra, e.g. torchtitan) is imported by its users only."""
-    graph = _internal(_graph())
+    graph = _internal(graph)
     integrations = {name for name in graph if layer_of(name) == "interop"}
     assert "scopedmesh.interop.torchtitan" in integrations
     importers = sorted(
@@ -162,8 +168,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
-def test_module_imports_only_from_its_layer_or_below(name: str) -> None:
-    graph = _graph()
+def test_module_imports_only_from_its_layer_or_below(name: str, graph: dict[str, set[str]]) -> None:
     own = layer_of(name)
     assert own is not None, f"{name} lies outside the layer folders"
     internal = _internal(graph)[name]

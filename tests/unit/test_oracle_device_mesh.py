@@ -6,6 +6,9 @@ each axis and along each pair of axes (by flattening the pair); the layout must
 name the same ranks in the same order. The rows of ``dm.mesh`` along each axis
 check the whole partition and its order. Torch runs in a few subprocesses
 (see ``_device_mesh_oracle.py``), run side by side; this process never imports it.
+
+The shapes of at most 8 ranks run in the README's command; the larger ones
+(four fifths of the oracle's meshes, one per rank) in the launch lane.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -47,7 +51,18 @@ SHAPES: list[tuple[int, ...]] = [
     (3, 1, 2, 2),
     (2, 2, 1, 4),
     (2, 3, 2, 2),
+    (2, 1, 2, 2),  # a four-axis shape of 8 ranks, for the README's command
 ]
+FEW_RANKS = 8  # shapes of at most this many ranks run in the README's command
+GROUPS: dict[str, list[tuple[int, ...]]] = {
+    "few": [shape for shape in SHAPES if math.prod(shape) <= FEW_RANKS],
+    "many": [shape for shape in SHAPES if math.prod(shape) > FEW_RANKS],
+}
+LANE = {"few": (), "many": (pytest.mark.launch,)}  # the larger shapes: the launch lane
+
+
+def _group_of(shape: tuple[int, ...]) -> str:
+    return "few" if math.prod(shape) <= FEW_RANKS else "many"
 
 
 # torch 2.9 (measured on 2.9.1; not on 2.12.1 and later): the oracle probes one fake
@@ -65,13 +80,24 @@ def _key(shape: tuple[int, ...]) -> str:
 
 
 @pytest.fixture(scope="module")
-def device_mesh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def device_mesh(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """A group's ("few" or "many") DeviceMesh answers by shape, probed on first use."""
+    answers: dict[str, dict[str, Any]] = {}
+
+    def probe(group: str) -> dict[str, Any]:
+        if group not in answers:
+            answers[group] = _probe(GROUPS[group], tmp_path_factory.mktemp(f"device_mesh_{group}"))
+        return answers[group]
+
+    return probe
+
+
+def _probe(shapes: list[tuple[int, ...]], out_dir: Path) -> dict[str, Any]:
     """Every shape's DeviceMesh answers, gathered by a few concurrent subprocesses."""
-    out_dir = tmp_path_factory.mktemp("device_mesh")
     # Deal shapes out by cost (one mesh per rank), largest first, to the cheapest chunk.
     chunks: list[list[tuple[int, ...]]] = [[] for _ in range(PROCESSES)]
     costs = [0] * PROCESSES
-    for shape in sorted(SHAPES, key=math.prod, reverse=True):
+    for shape in sorted(shapes, key=math.prod, reverse=True):
         cheapest = costs.index(min(costs))
         chunks[cheapest].append(shape)
         costs[cheapest] += math.prod(shape)
@@ -97,18 +123,31 @@ def device_mesh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return records
 
 
-def test_every_shape_was_probed_at_every_rank(device_mesh: dict[str, Any]) -> None:
-    assert sorted(device_mesh) == sorted(_key(s) for s in SHAPES)
-    # 16 one-axis shapes, sum of d(W) = 50 two-axis, sum of d3(W) = 110 three-axis, 5 four-axis.
-    assert len(SHAPES) == len(set(SHAPES)) == 16 + 50 + 110 + 5
-    for shape in SHAPES:
-        record = device_mesh[_key(shape)]
+def test_the_groups_share_out_every_shape() -> None:
+    # 16 one-axis shapes, sum of d(W) = 50 two-axis, sum of d3(W) = 110 three-axis, 6 four-axis.
+    assert len(SHAPES) == len(set(SHAPES)) == 16 + 50 + 110 + 6
+    assert sorted(GROUPS["few"] + GROUPS["many"]) == sorted(SHAPES)
+    assert {len(shape) for shape in GROUPS["few"]} == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("group", [pytest.param(g, marks=LANE[g]) for g in GROUPS])
+def test_every_shape_was_probed_at_every_rank(
+    device_mesh: Callable[[str], dict[str, Any]], group: str
+) -> None:
+    answers = device_mesh(group)
+    assert sorted(answers) == sorted(_key(s) for s in GROUPS[group])
+    for shape in GROUPS[group]:
+        record = answers[_key(shape)]
         assert [entry["rank"] for entry in record["ranks"]] == list(range(math.prod(shape)))
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=_key)
-def test_groups_match_device_mesh(device_mesh: dict[str, Any], shape: tuple[int, ...]) -> None:
-    record = device_mesh[_key(shape)]
+@pytest.mark.parametrize(
+    "shape", [pytest.param(s, marks=LANE[_group_of(s)], id=_key(s)) for s in SHAPES]
+)
+def test_groups_match_device_mesh(
+    device_mesh: Callable[[str], dict[str, Any]], shape: tuple[int, ...]
+) -> None:
+    record = device_mesh(_group_of(shape))[_key(shape)]
     layout = MeshLayout(shape, names=tuple(f"ax{i}" for i in range(len(shape))))
     assert record["mesh"] == list(layout.ranks)
     pairs = list(itertools.combinations(range(len(shape)), 2))

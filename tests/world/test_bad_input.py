@@ -255,6 +255,7 @@ def _mesh_fuzz(examples: int, seed: int) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.soak  # 200 meshes made and closed in a row, none may leak: 146 s at load 30
 def test_mesh_bad_input_in_a_world() -> None:
     _mesh_fuzz(200, seed=0)
 

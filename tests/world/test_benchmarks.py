@@ -251,3 +251,72 @@ def test_heal_benchmark_kills_from_outside_and_prints_its_lines(tmp_path: Path) 
     (kill,) = record["kills"]
     assert kill["victim"] == int(row.group(1)) and kill["where"] == row.group(2).strip()
     assert record["summary"] == lines[-1]
+
+
+# ------------------------------------------------------------------ the heal benchmarks' layout
+
+
+def _benchmark_imports(path: Path) -> set[str]:
+    """The ``benchmarks.*`` modules ``path`` imports, anywhere in it (lazy imports too)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+            found.update(f"benchmarks.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+            found.add(str(node.module))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("benchmarks."))
+    return found
+
+
+def test_heal_benchmarks_import_in_one_direction() -> None:
+    """heal (the command) -> its modes -> heal_common: no module imports one above it."""
+    graph = {
+        f"benchmarks.{path.stem}": _benchmark_imports(path)
+        for path in sorted((REPO / "benchmarks").glob("heal*.py"))
+    }
+    assert graph["benchmarks.heal_common"] == set()  # the shared pieces depend on no benchmark
+    for module, imported in graph.items():
+        if module != "benchmarks.heal":
+            assert "benchmarks.heal" not in imported, module  # only the command dispatches
+
+    def reaches(start: str, target: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(
+            nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt}))
+            for nxt in graph.get(start, ())
+        )
+
+    assert [m for m in graph if reaches(m, m)] == []  # no circle, however long
+
+
+def test_heal_common_docstring_examples() -> None:
+    from benchmarks import heal_common
+
+    failed, _ = doctest.testmod(heal_common)
+    assert failed == 0
+
+
+def test_a_rank_that_checks_in_then_dies_had_checked_in() -> None:
+    """Rank 6 checks in through the agreement's own protocol, then SIGKILLs itself.
+
+    Every survivor reads, after agreeing, how the agreement accounted for each
+    member: rank 6 as ``alive`` (it checked in itself), rank 5 (killed before) as
+    ``lost`` (a survivor did); all decide {5, 6}.
+    """
+    from benchmarks import heal_plan
+
+    plan = {"steps": 7, "kill": {"5": 3}, "die_checked_in": 6, "slow_agree": {"7": 2.0}}
+    result = heal_plan.launch(plan, timeout=300)
+    reports = result["reports"]
+    assert result["exitcodes"][6] == -9 and result["exitcodes"][5] == -9
+    survivors = sorted(set(range(8)) - {5, 6})
+    assert set(reports) >= set(survivors), result["exitcodes"]
+    for rank in survivors:
+        assert "unexpected" not in reports[rank], reports[rank]["unexpected"]
+        event = reports[rank]["events"][0]
+        assert event["accounted"]["6"] == "alive", (rank, event["accounted"])
+        assert event["accounted"]["5"] == "lost", (rank, event["accounted"])
+        assert event["lost"] == [5, 6], (rank, event)
+    assert result["watch_keys"] == []
