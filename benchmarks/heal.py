@@ -72,6 +72,8 @@ def mode(args: argparse.Namespace) -> str | None:
     """
     if args.against == "torchft":
         return "benchmarks.heal_torchft"
+    if args.backend == "nccl":
+        return "benchmarks.heal_nccl"
     return None
 
 
@@ -88,6 +90,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--against", choices=["torchft"], help="side by side with torchft")
     parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
+    parser.add_argument(
+        "--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: on a GPU host"
+    )
+    parser.add_argument("--bound", action="store_true", help="nccl: WORLD bound to the device")
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="nccl: the same code on gloo, on the CPU"
+    )
     return parser
 
 

@@ -244,14 +244,22 @@ def _summary(rows: list[list[float]]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """This module's own arguments (``python -m benchmarks.heal_nccl``)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--bound", action="store_true", help="WORLD bound to the device")
     parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on the CPU, 2 ranks")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    """Run the benchmark: ``args`` as :func:`parser` or ``python -m benchmarks.heal
+    --backend nccl`` gives them (``kills`` None: 10)."""
+    args = parser().parse_args() if args is None else args
+    args.kills = 10 if args.kills is None else args.kills
     if args.cpu_dry_run:
         return _report(args, {"world": 2, "backend": "gloo"}, "CPU dry run (gloo), 2 ranks")
     if not torch.cuda.is_available():

@@ -219,11 +219,8 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     report["lost"] = sorted(watch.lost())
     report["learned"] = {r: watch.learned_at(r) for r in watch.lost()}
     report["aborted"] = {r: watch.aborted_at(r) for r in watch.lost()}
-    # Who declared each death (the value of its lost key), and what the watch thread raised.
-    report["declared_by"] = {
-        r: store.compare_set(f"{watch.prefix}/lost/{r}", "\x00", "\x00").decode()
-        for r in watch.lost()
-    }
+    # How the store's list of deaths gave each one, and what the watch thread raised.
+    report["declared_by"] = {r: watch.why_lost(r) for r in watch.lost()}
     report["watch_failure"] = repr(watch._failure) if watch._failure is not None else None
     closing = time.time()
     watch.close()

@@ -10,6 +10,7 @@ which it was. Counts and sets are asserted, never a time.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -500,3 +501,24 @@ def test_soak_kills_from_outside_at_random_moments() -> None:
                 assert out["shape"] == [dp - 1, tp], (kill, out)
                 assert out["sums"] == [float(dp - 1)] * 3, (kill, out)
     _figure("soak: 30 SIGKILLs from outside, inside collectives (8 ranks)", kills=30)
+
+
+def test_guard_refuses_a_mesh_on_worlds_stock_nccl_that_torchs_watchdog_would_end(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mesh with no backend of its own runs on WORLD's: on stock NCCL (played here on the
+    CPU: WORLD's backend reads as ``nccl``), guard() refuses until the launcher sets
+    TORCH_NCCL_ASYNC_ERROR_HANDLING to 2 or 0, and never sets it itself."""
+    from scopedmesh import LivenessWatch, ProcessGroupMesh
+    from scopedmesh.mesh.liveness import watch as watch_module
+
+    monkeypatch.setattr(watch_module.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setenv("TORCH_DIST_USE_NCCL2", "0")  # the stock backend on every release
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    with LivenessWatch(interval=0.05) as watch, ProcessGroupMesh(1) as mesh:
+        with pytest.raises(RuntimeError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING is unset"):
+            watch.guard(mesh)
+        assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # never set silently
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        assert watch.guard(mesh) is mesh

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import selectors
 import threading
 import time
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
+from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout import Axis
@@ -237,10 +239,15 @@ class LivenessWatch:
         mesh as usual (``reform`` does). A mesh that holds a rank already
         known lost is aborted at once. While the watch runs, the mesh's group
         formations ask it which peers are lost: one waiting for a lost rank
-        raises ``GroupFormationError`` saying so, on any host.
+        raises ``GroupFormationError`` saying so, on any host. On NCCL, the
+        mesh's communicators are aborted, and a torch whose watchdog would end
+        the healed process is refused here with a ``RuntimeError`` naming the
+        variable to set before the first NCCL group is made
+        (:func:`~scopedmesh.c10d.nccl.check_error_handling`).
         """
         if not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
+        check_error_handling(mesh.backend or dist.get_backend(), os.environ)  # None: WORLD's
         self._check_open()
         self._check_thread()
         self._guard.add(mesh, self, self._thread, self._record.lost)
