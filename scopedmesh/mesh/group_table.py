@@ -116,7 +116,9 @@ class GroupTable:
         ``what`` names it in the error (``"axis 'tp'"``), ``description`` in
         torch's tools (``"scopedmesh:tp"``).
         A group that cannot be made raises :class:`GroupFormationError`; nothing
-        is registered then. The caller holds :attr:`lock`.
+        is registered then; an abort (:meth:`abort`) while it forms stops it
+        with :class:`MeshClosedError`, within a slice of its waits. The caller
+        holds :attr:`lock`.
         """
         ranks, backend = key
         try:
@@ -133,8 +135,9 @@ class GroupTable:
                 grace=self.grace,
                 liveness=self.liveness,
                 store_use=self.store_use,
+                aborted=self._why_aborted,
             )
-        except GroupFormationError:  # diagnosed: the message already says it all
+        except (GroupFormationError, MeshClosedError):  # diagnosed, or aborted while it formed
             raise
         except RuntimeError as error:
             raise formation_error(backend, what, ranks, timeout, error) from error
@@ -144,6 +147,10 @@ class GroupTable:
             entry.alive = False
             _interrupt(group, self.aborted)
         return entry
+
+    def _why_aborted(self) -> str:
+        """Why the table was aborted (``""`` while it is not): what a formation asks."""
+        return self.aborted
 
     def abort(self, because: str) -> None:
         """Refuse every group of the table from now on; shut down the gloo groups it has.
