@@ -89,6 +89,25 @@ class GroupTable:
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
         self.store_use = StoreUse()  # whether a formation clones torch's store client
+        self._record()
+
+    def _record(self) -> None:
+        """Write this rank's process record (one ``set``), so that a peer whose group waits
+        for it can tell it runs, even if it never asks for a group (the diagnosis says
+        "is alive and outside any group request" rather than listing likely causes).
+
+        At the table's making (a root mesh's construction), not at its first formation:
+        a rank that has formed nothing is the one a peer most needs to see. Not on the
+        fake backend (one process, nobody to see it); a store that fails here is tried
+        again at the first formation.
+        """
+        if self._recorded or not dist.is_initialized() or dist.get_backend() == "fake":
+            return
+        try:
+            _c10d.record_process()
+        except RuntimeError:  # the store is unreachable now: the first formation tries again
+            return
+        self._recorded = True
 
     def __len__(self) -> int:
         """The number of groups registered (formed and not yet released)."""
