@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -290,15 +291,17 @@ def _named_group(
     watch = None
     if backend_enum == dist.Backend.GLOO and gloo_connects_eagerly():  # rendezvous here: watch it
         watch = Watch(store, request, ranks, grace, group_timeout, liveness, aborted)
+    stop = Stop(store, request.group(), ranks, rank, liveness, aborted)
+    build = (ranks, backend_enum, store, watch, name, group_timeout, description, pg_options)
     try:
-        group = _construct(
-            ranks, backend_enum, store, watch, name, group_timeout, description, pg_options
-        )
+        if watch is not None and liveness is not None:  # guarded: a connect can be left behind
+            group = _construct_stoppable(build, stop, watch.deadline)
+        else:
+            group = _construct(*build)
     except Exception:
         _catch_up(ranks, str(backend_enum), generation)
         raise
     if not fake:  # fake members never rendezvous: nobody to wait for
-        stop = Stop(store, request.group(), ranks, rank, liveness, aborted)
         try:
             _all_formed(
                 store,
@@ -333,6 +336,52 @@ def _public_group(
         group_desc=description,
     )
     return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+
+def _construct_stoppable(build: tuple[Any, ...], stop: Stop, deadline: float) -> dist.ProcessGroup:
+    """:func:`_construct` on a helper thread, this one asking ``stop`` every :data:`SLICE`.
+
+    gloo connects each pair in C++ once the addresses are in the store, and a
+    member waits there for a peer that died after publishing its address, for
+    the whole group timeout; nothing reaches that wait. So under a liveness
+    watch the construction runs on a thread of its own, and a lost member or an
+    abort raises here at once: the thread is left to end by itself (a store
+    wait ends at its next slice, a connect at gloo's timeout), and destroys
+    the group if it forms after all. A hang guard past ``deadline`` raises too.
+    """
+    lock = threading.Lock()
+    outcome: list[Any] = []  # [group or exception], or ["abandoned"]
+
+    def run() -> None:
+        try:
+            result: Any = _construct(*build)
+        except BaseException as error:  # handed to the caller below
+            result = error
+        with lock:
+            left = bool(outcome)
+            if not left:
+                outcome.append(result)
+        if left and isinstance(result, dist.ProcessGroup):
+            destroy(result)  # formed after its caller stopped waiting: nobody holds it
+
+    thread = threading.Thread(target=run, name="scopedmesh-formation", daemon=True)
+    thread.start()
+    guard = deadline + 30.0  # gloo's connect timeout is the group's: it ends before this
+    while True:
+        thread.join(SLICE)
+        error = None if outcome else stop.why()
+        if error is None and time.monotonic() >= guard and not outcome:
+            error = GroupFormationError(f"could not form {stop.group}: its construction hung")
+        with lock:
+            if not outcome and error is not None:
+                outcome.append("abandoned")
+                raise error
+            if outcome and not thread.is_alive():
+                break
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    group: dist.ProcessGroup = outcome[0]
+    return group
 
 
 def _construct(

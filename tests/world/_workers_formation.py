@@ -52,24 +52,46 @@ def _step(mesh: ProcessGroupMesh, names: Sequence[str]) -> list[int]:
     return counts
 
 
+def _slow_at_barrier(outdir: str, rank: int) -> None:
+    """Make this rank slow to arrive at its next formation barrier (descheduled, say):
+    connected, then 30 s before its arrival; the launcher kills it there."""
+    from scopedmesh.c10d import groups
+
+    arrive = groups._all_formed
+
+    def late(*args: Any, **kwargs: Any) -> None:
+        groups._all_formed = arrive  # once
+        _where(outdir, rank, "barrier")
+        time.sleep(30.0)
+        arrive(*args, **kwargs)
+
+    groups._all_formed = late
+
+
 def trainer(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any]:
     """Train on a guarded mesh; heal after every failure; report the events and the end mesh.
 
     ``plan``: ``shape``, ``names`` (the first one is healed along), ``interval``,
     ``timeout`` (the mesh's), ``after`` (steps to make on the last mesh before
-    stopping), ``max_steps``.
+    stopping), ``max_steps``; ``idle`` {rank: s} (user code before the first
+    formation), ``slow_barrier`` (a rank slow to arrive at its first barrier).
     """
     names = tuple(plan["names"])
+    if plan.get("slow_barrier") == rank:
+        _slow_at_barrier(outdir, rank)
     watch = LivenessWatch(interval=plan["interval"], timeout=60)
     mesh = watch.guard(ProcessGroupMesh(*plan["shape"], names=names, timeout=plan["timeout"]))
     events: list[dict[str, Any]] = []
     report: dict[str, Any] = {"rank": rank, "events": events}
+    if str(rank) in plan.get("idle", {}):  # its watch runs, its mesh is made; it asks late
+        _where(outdir, rank, "idle")
+        time.sleep(plan["idle"][str(rank)])
     formed = False
     step = after = 0
     while step < plan["max_steps"] and after < plan["after"]:
         try:
             if not formed:
-                _where(outdir, rank, "forming")
+                _where(outdir, rank, "re-forming" if events else "forming")
                 mesh.create_groups(*names)
                 formed = True
                 if events:
@@ -122,27 +144,27 @@ def _at(outdir: str, rank: int) -> str:
         return ""
 
 
-def launch(
-    plan: dict[str, Any],
-    victims: Sequence[int],
-    *,
-    gap: float,
-    rng: Any,
-    when: str = "step",
-    timeout: float = 240.0,
-) -> dict[str, Any]:
-    """Run :func:`trainer` on ``prod(shape)`` ranks; SIGKILL ``victims``, ``gap`` seconds apart.
+Kill = tuple[str, int, float, float]  # (when, victim, least pause, most pause)
 
-    ``when="step"``: once every rank has made 2 steps, after a random pause of
-    up to about two steps. ``when="first-formation"``: at a random moment once
-    every rank is forming its first mesh's groups. Returns the reports by
-    rank, the kill times (``time.time()``) and the exit codes.
+
+def launch(
+    plan: dict[str, Any], kills: Sequence[Kill], *, rng: Any, timeout: float = 240.0
+) -> dict[str, Any]:
+    """Run :func:`trainer` on ``prod(shape)`` ranks; SIGKILL each victim of ``kills`` in turn.
+
+    A kill ``(when, victim, low, high)`` waits for ``when``, then a random pause
+    between ``low`` and ``high`` seconds: ``"step"``, every rank has made 2
+    steps; ``"forming"``, every rank is forming its first groups (or idles
+    before); ``"barrier"``, the victim is slow at its barrier; ``"re-forming"``,
+    a rank other than the victim forms groups after a heal; ``"now"``, at
+    once. Returns the reports by rank, the kill times (``time.time()``) and
+    the exit codes.
     """
     world = 1
     for size in plan["shape"]:
         world *= size
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    kills: list[float] = []
+    times: list[float] = []
     with TemporaryDirectory() as outdir:
         ctx = world_context()
         procs = [
@@ -153,13 +175,11 @@ def launch(
             p.start()
         deadline = time.monotonic() + timeout
         try:
-            _wait_for(outdir, world, when, deadline, procs)
-            time.sleep(rng.uniform(0.0, plan.get("window", 0.2)))
-            for number, victim in enumerate(victims):
-                if number:
-                    time.sleep(gap)
+            for when, victim, low, high in kills:
+                _wait_for(outdir, world, when, victim, deadline, procs)
+                time.sleep(rng.uniform(low, high))
                 os.kill(procs[victim].pid or 0, signal.SIGKILL)
-                kills.append(time.time())
+                times.append(time.time())
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:
@@ -172,20 +192,33 @@ def launch(
         }
     return {
         "reports": reports,
-        "kills": kills,
+        "kills": times,
         "exitcodes": {r: p.exitcode for r, p in enumerate(procs)},
     }
 
 
-def _wait_for(outdir: str, world: int, when: str, deadline: float, procs: list[Any]) -> None:
-    while time.monotonic() < deadline and all(p.is_alive() for p in procs):
+def _reached(at: list[str], when: str, victim: int) -> bool:
+    if when == "now":
+        return True
+    if when == "step":
+        return all(a.isdigit() and int(a) >= 2 for a in at)
+    if when == "forming":
+        return all(a in ("forming", "idle") for a in at) and "forming" in at
+    if when == "barrier":
+        return at[victim] == "barrier"
+    if when == "re-forming":
+        return any(a == "re-forming" for r, a in enumerate(at) if r != victim)
+    raise ValueError(f"when must be one of now, step, forming, barrier, re-forming, got {when!r}")
+
+
+def _wait_for(
+    outdir: str, world: int, when: str, victim: int, deadline: float, procs: list[Any]
+) -> None:
+    while time.monotonic() < deadline:
         at = [_at(outdir, r) for r in range(world)]
-        if when == "first-formation" and all(a == "forming" for a in at):
+        if _reached(at, when, victim):
             return
-        if when == "step" and all(a.isdigit() and int(a) >= 2 for a in at):
-            return
-        time.sleep(0.002)
-    raise RuntimeError(
-        f"the world did not reach {when!r} (a rank ended, or the time is up): "
-        f"{[_at(outdir, r) for r in range(world)]}"
-    )
+        if not procs[victim].is_alive():
+            break
+        time.sleep(0.001)
+    raise RuntimeError(f"the world did not reach {when!r} for rank {victim}: {at}")
