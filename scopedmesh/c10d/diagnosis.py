@@ -37,16 +37,23 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, TypeGuard
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
+from scopedmesh.c10d.processes import (
+    Liveness,
+    peer_lost,
+    peer_seen,
+    process_gone,
+    record_process,
+    this_process,
+)
 from scopedmesh.c10d.store import (
     announcement_key,
     deadlock_key,
@@ -54,12 +61,13 @@ from scopedmesh.c10d.store import (
     read,
     wait_timed_out,
 )
-from scopedmesh.errors import GroupFormationError, clipped
+from scopedmesh.errors import GroupFormationError, MeshClosedError
 
 __all__ = [
     "DEFAULT_GRACE",
     "Liveness",
     "Request",
+    "Stop",
     "Watch",
     "WatchedStore",
     "announcement_key",
@@ -76,144 +84,7 @@ DEFAULT_GRACE = timedelta(milliseconds=500)
 _POLL_CAP = 0.1  # seconds between two ``check`` requests on the slow path, at most
 _HOPS = 64  # announcements followed per diagnosis, at most
 _LISTED = 16  # missing members described in a timeout's message, at most
-
-
-# ------------------------------------------------------------------ processes
-
-
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name; None if there is no such file."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as file:
-            text = file.read()
-    except OSError:
-        return None
-    return text[text.rfind(")") + 2 :].split()
-
-
-def _running(fields: list[str] | None) -> TypeGuard[list[str]]:
-    """Whether a process whose ``/proc/<pid>/stat`` reads ``fields`` runs: the file exists,
-    and it is not a zombie nobody reaped yet."""
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host (and pid namespace) has ended; Linux ``/proc``.
-
-    >>> process_gone(os.getpid())
-    False
-    """
-    return not _running(_stat(pid))
-
-
-def _namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def this_process() -> dict[str, Any]:
-    """Who this process is, so that a peer on the same host can tell whether it still runs."""
-    pid = os.getpid()
-    fields = _stat(pid)
-    return {
-        "host": socket.gethostname(),
-        "ns": _namespace(),
-        "pid": pid,
-        "start": fields[19] if fields and len(fields) > 19 else "",
-    }
-
-
-def _process_alive(process: dict[str, Any]) -> bool | None:
-    """Whether ``process`` (from :func:`this_process` on some rank) runs: None if we cannot see it."""
-    here = this_process()
-    if process.get("host") != here["host"] or process.get("ns") != here["ns"]:
-        return None  # another host or pid namespace: only a liveness watch can tell (peer_lost)
-    pid = process.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return None
-    if os.path.isdir("/proc/self"):
-        fields = _stat(pid)
-        if not _running(fields):
-            return False
-        return not process.get("start") or len(fields) <= 19 or fields[19] == process["start"]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, owned by someone else
-        return True
-    return True
-
-
-def record_process(store: Store, rank: int) -> None:
-    """Write who ``rank`` is to the store (one ``set``): :func:`peer_lost` reads it."""
-    store.set(process_key(rank), json.dumps(this_process()))
-
-
-class Liveness(Protocol):
-    """What the diagnosis asks an opt-in liveness watch (:class:`scopedmesh.LivenessWatch`)."""
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """The ranks it watches."""
-        ...
-
-    def why_lost(self, rank: int) -> str | None:
-        """How ``rank`` was lost (``"has died (...)"``), or None while it is alive."""
-        ...
-
-
-def peer_lost(
-    store: Store,
-    rank: int,
-    process: dict[str, Any] | None = None,
-    liveness: Liveness | None = None,
-) -> str | None:
-    """How ``rank`` was lost (``"has died (...)"``), or None: alive, or nobody can tell.
-
-    The one place the diagnosis asks (:func:`peer_seen` says which of the two
-    a None is).
-    """
-    return peer_seen(store, rank, process, liveness)[1]
-
-
-def peer_seen(
-    store: Store,
-    rank: int,
-    process: dict[str, Any] | None = None,
-    liveness: Liveness | None = None,
-) -> tuple[bool | None, str | None]:
-    """Whether ``rank`` runs, as far as this rank can see, and how it was lost.
-
-    ``(True, None)``: alive; ``(False, "has died (...)")``: lost; ``(None, None)``:
-    nobody here can tell. A rank that ``liveness`` (the caller's liveness
-    watch, when there is one) watches is lost when the watch says so, else
-    alive: one notion of alive, whichever host it is on. Otherwise a rank is
-    seen through its process, as it recorded it (``process``, from its
-    announcement, or its process record) on this host; a rank on another
-    host, or one that never recorded itself, cannot be told.
-    """
-    if liveness is not None and rank in liveness.ranks:
-        why = liveness.why_lost(rank)
-        return (why is None), why
-    if process is None:
-        text = read(store, process_key(rank))
-        try:
-            process = json.loads(text) if text is not None else None
-        except ValueError:
-            process = None
-    if not isinstance(process, dict):
-        return None, None
-    alive = _process_alive(process)
-    if alive is False:
-        return False, f"has died ({_where(process)} is gone)"
-    return alive, None
-
-
-def _where(process: dict[str, Any]) -> str:
-    return f"its process {process.get('pid')} on host {clipped(str(process.get('host')), 80)}"
+SLICE = 0.1  # seconds: a formation's wait asks whether to stop (Stop.why) at least this often
 
 
 # ------------------------------------------------------------------ requests
@@ -297,6 +168,90 @@ def call_site() -> str:
     return ""
 
 
+# ------------------------------------------------------------------ stopping
+
+
+def lost_error(
+    store: Store, group: str, rank: int, lost: str, request: Request | None = None
+) -> GroupFormationError:
+    """``could not form <group>: rank 3 has died (...), so the group can never form.``, then
+    what the lost rank was last waiting for (its announcement, read if not given)."""
+    if request is None:
+        try:
+            request = Request.from_text(read(store, announcement_key(rank)))
+        except RuntimeError:  # the store failed too: say what is known
+            request = None
+    last = (
+        f"It was last waiting for rank {request.waits_for} in {request.group()}{request.asked_at()}."
+        if request is not None
+        else "It was not requesting any group when last seen."
+    )
+    return GroupFormationError(
+        f"could not form {group}: rank {rank} {lost}, so the group can never form. {last}"
+    )
+
+
+class Stop:
+    """Why a formation must stop waiting now: asked between the slices of its waits.
+
+    Its mesh was aborted (``aborted()`` says why, ``""`` while it is not: an
+    abort is a state every wait sees, even of a group not registered yet), or
+    ``liveness`` (the watch guarding the mesh) knows a member is lost. Both
+    answer from memory, so a slice costs one store request (the wait itself).
+    ``group`` names the group in the error (``"the gloo group along axis 'tp' ..."``).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        group: str,
+        ranks: Sequence[int],
+        rank: int,
+        liveness: Liveness | None = None,
+        aborted: Callable[[], str] | None = None,
+    ) -> None:
+        self.store, self.group, self.ranks, self.rank = store, group, ranks, rank
+        self.liveness, self.aborted = liveness, aborted
+
+    def why(self) -> RuntimeError | None:
+        """The error to raise now, or None (wait on): a lost member is named first."""
+        liveness = self.liveness
+        if liveness is not None:
+            for rank in self.ranks:  # a rank it does not watch reads as alive
+                lost = liveness.why_lost(rank) if rank != self.rank else None
+                if lost is not None:
+                    return lost_error(self.store, self.group, rank, lost)
+        reason = self.aborted() if self.aborted is not None else ""
+        if reason:
+            return MeshClosedError(
+                f"stopped forming {self.group}: its mesh was aborted (its groups were shut down "
+                f"{reason}). Close it and re-form the survivors' mesh"
+            )
+        return None
+
+    def wait(self, store: Store, keys: list[str], deadline: float, first: float) -> bool:
+        """``store.wait(keys)`` until ``deadline`` (``time.monotonic()``) in slices, the first
+        ``first`` seconds long (one request when the keys come in time), then
+        :data:`SLICE`, asking :meth:`why` between two. True once the keys are
+        there, False at ``deadline``; raises :meth:`why`'s error, or the store's."""
+        limit = first
+        while True:
+            start = time.monotonic()
+            limit = max(min(limit, deadline - start), 0.001)
+            try:
+                store.wait(keys, timedelta(seconds=limit))
+                return True
+            except RuntimeError as error:  # by type: see wait_timed_out
+                if not wait_timed_out(error, time.monotonic() - start, limit):
+                    raise
+            stop = self.why()
+            if stop is not None:
+                raise stop
+            if time.monotonic() >= deadline:
+                return False
+            limit = SLICE
+
+
 # ------------------------------------------------------------------ the watch
 
 
@@ -316,9 +271,11 @@ class Watch:
         grace: timedelta,
         timeout: timedelta,
         liveness: Liveness | None = None,
+        aborted: Callable[[], str] | None = None,
     ) -> None:
         self.store = store
         self.liveness = liveness
+        self.stop = Stop(store, request.group(), ranks, request.rank, liveness, aborted)
         self.ranks = ranks
         self.started = time.monotonic()
         self.deadline = self.started + timeout.total_seconds()
@@ -340,14 +297,13 @@ class Watch:
             else:
                 self.store.wait(keys, timeout)
             return
-        start = time.monotonic()
-        limit = max(min(self.grace, self.deadline - start), 0.001)
-        try:
-            self.store.wait(keys, timedelta(seconds=limit))
+        # Under a liveness watch the grace is cut into slices (a lost member or an
+        # abort stops the wait within one); else it is one request.
+        first = SLICE if self.stop.liveness is not None else self.grace
+        if self.stop.wait(
+            self.store, keys, min(time.monotonic() + self.grace, self.deadline), first
+        ):
             return
-        except RuntimeError as error:  # by type: see wait_timed_out
-            if not wait_timed_out(error, time.monotonic() - start, limit):
-                raise
         self._slow(keys, self._waited(keys))
 
     def _waited(self, keys: list[str]) -> int | None:
@@ -365,6 +321,9 @@ class Watch:
         while True:
             if self.store.check(keys):
                 return
+            stop = self.stop.why()
+            if stop is not None:
+                raise stop
             now = time.monotonic()
             if now >= self.deadline:
                 raise self._timeout_error()
@@ -415,7 +374,7 @@ class Watch:
         hold the group (a cycle the collector would have to find).
         """
         self.done = True
-        self.liveness = None
+        self.liveness = self.stop.liveness = self.stop.aborted = None
         if self.announced is not None:
             self.announced = None
             try:
@@ -474,16 +433,7 @@ class Watch:
         return GroupFormationError(_deadlock_text(chain, loop, time.monotonic() - self.started))
 
     def _lost_error(self, rank: int, lost: str, request: Request | None) -> GroupFormationError:
-        own = self.request
-        last = (
-            f"It was last waiting for rank {request.waits_for} in {request.group()}"
-            f"{request.asked_at()}."
-            if request is not None
-            else "It was not requesting any group when last seen."
-        )
-        return GroupFormationError(
-            f"could not form {own.group()}: rank {rank} {lost}, so the group can never form. {last}"
-        )
+        return lost_error(self.store, self.request.group(), rank, lost, request)
 
     def _timeout_error(self) -> GroupFormationError:
         """After the timeout: what each member that has not arrived is doing.

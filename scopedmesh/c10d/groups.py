@@ -22,10 +22,13 @@ public ``new_group`` with a warning that names the hazard.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
+import threading
+import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -33,7 +36,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scopedmesh.c10d.diagnosis import DEFAULT_GRACE, Liveness, Request, Watch, WatchedStore
+from scopedmesh.c10d.diagnosis import (
+    DEFAULT_GRACE,
+    SLICE,
+    Liveness,
+    Request,
+    Stop,
+    Watch,
+    WatchedStore,
+)
 from scopedmesh.c10d.diagnosis import record_process as _record_process
 from scopedmesh.c10d.names import RankMap, canonical_ranks, group_name
 from scopedmesh.c10d.nccl import unsplit as _unsplit
@@ -46,7 +57,7 @@ from scopedmesh.c10d.store import (
     incarnation_keys,
     own_keys,
 )
-from scopedmesh.errors import shown
+from scopedmesh.errors import GroupFormationError, shown
 
 __all__ = [
     "RankMap",
@@ -199,6 +210,7 @@ def new_member_group(
     grace: timedelta | None = None,
     liveness: Liveness | None = None,
     store_use: StoreUse | None = None,
+    aborted: Callable[[], str] | None = None,
     unsplit: bool = False,
 ) -> dist.ProcessGroup | None:
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
@@ -216,7 +228,11 @@ def new_member_group(
     never end (a deadlock cycle, a dead peer); ``what`` names the group there
     (``"axis 'tp'"``). ``liveness`` (a liveness watch, or None) says which peers
     are lost; without one, only a peer's process on this host can be seen dying.
-    ``store_use`` decides whether the group forms over torch's store client or
+    ``aborted`` says why the mesh asking was aborted (``""`` while it is not):
+    every wait of the formation, its barrier's too, asks it and ``liveness``
+    between slices and stops with :class:`~scopedmesh.errors.MeshClosedError`
+    (aborted) or ``GroupFormationError`` (a member lost), so that a death at
+    any moment of a formation releases the survivors. ``store_use`` decides whether the group forms over torch's store client or
     a clone of it (:class:`~scopedmesh.c10d.store.StoreUse`; None: a new one,
     in which every other thread of the process counts). ``unsplit``: never derive
     the group from WORLD's communicator, even where WORLD is bound to a device
@@ -245,6 +261,7 @@ def new_member_group(
         grace=DEFAULT_GRACE if grace is None else grace,
         liveness=liveness,
         store_use=store_use or StoreUse(),
+        aborted=aborted,
         unsplit=unsplit,
     )
 
@@ -260,6 +277,7 @@ def _named_group(
     grace: timedelta,
     liveness: Liveness | None,
     store_use: StoreUse,
+    aborted: Callable[[], str] | None,
     unsplit: bool,
 ) -> dist.ProcessGroup:
     """:func:`new_member_group` on the private path: a named incarnation, watched, then the
@@ -271,37 +289,43 @@ def _named_group(
     if not fake:  # torch 2.9 has no Backend.FAKE; its fake store cannot clone
         store = store_use.formation_store(store)
     group_timeout = timeout if timeout is not None else c10d._get_default_timeout(backend_enum)
+    request = Request(
+        rank=rank,
+        name=name,
+        generation=generation,
+        ranks=shown(list(ranks)),
+        backend=str(backend_enum),
+        what=what,
+        description=description,
+    )
     watch = None
     if backend_enum == dist.Backend.GLOO and gloo_connects_eagerly():  # rendezvous here: watch it
-        request = Request(
-            rank=rank,
-            name=name,
-            generation=generation,
-            ranks=shown(list(ranks)),
-            backend=str(backend_enum),
-            what=what,
-            description=description,
-        )
-        watch = Watch(store, request, ranks, grace, group_timeout, liveness)
+        watch = Watch(store, request, ranks, grace, group_timeout, liveness, aborted)
+    stop = Stop(store, request.group(), ranks, rank, liveness, aborted)
+    build = functools.partial(
+        _construct,
+        *(ranks, backend_enum, store, watch, name, group_timeout, description, pg_options),
+        unsplit=unsplit,
+    )
     try:
-        group = _construct(
-            ranks,
-            backend_enum,
-            store,
-            watch,
-            name,
-            group_timeout,
-            description,
-            pg_options,
-            unsplit=unsplit,
-        )
+        if watch is not None and liveness is not None:  # guarded: a connect can be left behind
+            group = _construct_stoppable(build, stop, watch.deadline)
+        else:
+            group = build()
     except Exception:
         _catch_up(ranks, str(backend_enum), generation)
         raise
     if not fake:  # fake members never rendezvous: nobody to wait for
         try:
             _all_formed(
-                store, name, len(ranks), ranks.index(rank), group_timeout, str(backend_enum)
+                store,
+                name,
+                len(ranks),
+                ranks.index(rank),
+                group_timeout,
+                str(backend_enum),
+                stop=stop,
+                grace=grace,
             )
         except Exception:
             destroy(group)
@@ -326,6 +350,54 @@ def _public_group(
         group_desc=description,
     )
     return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+
+def _construct_stoppable(
+    build: Callable[[], dist.ProcessGroup], stop: Stop, deadline: float
+) -> dist.ProcessGroup:
+    """``build`` (:func:`_construct`) on a helper thread, this one asking ``stop`` every :data:`SLICE`.
+
+    gloo connects each pair in C++ once the addresses are in the store, and a
+    member waits there for a peer that died after publishing its address, for
+    the whole group timeout; nothing reaches that wait. So under a liveness
+    watch the construction runs on a thread of its own, and a lost member or an
+    abort raises here at once: the thread is left to end by itself (a store
+    wait ends at its next slice, a connect at gloo's timeout), and destroys
+    the group if it forms after all. A hang guard past ``deadline`` raises too.
+    """
+    lock = threading.Lock()
+    outcome: list[Any] = []  # [group or exception], or ["abandoned"]
+
+    def run() -> None:
+        try:
+            result: Any = build()
+        except BaseException as error:  # handed to the caller below
+            result = error
+        with lock:
+            left = bool(outcome)
+            if not left:
+                outcome.append(result)
+        if left and isinstance(result, dist.ProcessGroup):
+            destroy(result)  # formed after its caller stopped waiting: nobody holds it
+
+    thread = threading.Thread(target=run, name="scopedmesh-formation", daemon=True)
+    thread.start()
+    guard = deadline + 30.0  # gloo's connect timeout is the group's: it ends before this
+    while True:
+        thread.join(SLICE)
+        error = None if outcome else stop.why()
+        if error is None and time.monotonic() >= guard and not outcome:
+            error = GroupFormationError(f"could not form {stop.group}: its construction hung")
+        with lock:
+            if not outcome and error is not None:
+                outcome.append("abandoned")
+                raise error
+            if outcome and not thread.is_alive():
+                break
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    group: dist.ProcessGroup = outcome[0]
+    return group
 
 
 def _construct(
@@ -395,7 +467,15 @@ def _construct(
 
 
 def _all_formed(
-    store: c10d.Store, name: str, size: int, group_rank: int, timeout: timedelta, backend: str
+    store: c10d.Store,
+    name: str,
+    size: int,
+    group_rank: int,
+    timeout: timedelta,
+    backend: str,
+    *,
+    stop: Stop | None = None,
+    grace: timedelta = DEFAULT_GRACE,
 ) -> None:
     """Return once every member has finished forming incarnation ``name``; leave no key behind.
 
@@ -418,6 +498,14 @@ def _all_formed(
     counter's delete 1, waits ``n - 1``, gloo addresses ``n``, departures
     ``n - 1``, the release key's delete 1): every member makes 4 here, one of
     them 5, and none deletes another's keys in turn.
+
+    The wait is watched (``stop``, see :class:`~scopedmesh.c10d.diagnosis.Stop`):
+    one request when the release comes within ``grace`` (in slices of
+    :data:`~scopedmesh.c10d.diagnosis.SLICE` under a liveness watch), then
+    slices; a member lost or the mesh aborted stops it (a member that died
+    between connecting and arriving would otherwise hold every other one for
+    the whole ``timeout``). A member that stops or times out deletes its own
+    gloo address; the barrier's two keys stay (a late member may still read them).
     """
     own = own_keys(name, group_rank, backend)
     if size > 1:
@@ -426,11 +514,34 @@ def _all_formed(
             store.set(released, "0")
             store.delete_key(formed)
         else:
-            store.wait([released], timeout)
+            try:
+                _wait_released(store, released, timeout, stop, grace)
+            except Exception:
+                with contextlib.suppress(RuntimeError):  # the store may be what failed
+                    for key in own:
+                        store.delete_key(key)
+                raise
             if store.add(released, 1) == size - 1:  # the last of those that waited to leave
                 own.append(released)
     for key in own:
         store.delete_key(key)
+
+
+def _wait_released(
+    store: c10d.Store, released: str, timeout: timedelta, stop: Stop | None, grace: timedelta
+) -> None:
+    """Wait for the barrier's release key: one request without ``stop``, else watched slices."""
+    if stop is None:
+        store.wait([released], timeout)
+        return
+    first = SLICE if stop.liveness is not None else grace.total_seconds()
+    deadline = time.monotonic() + timeout.total_seconds()
+    if not stop.wait(store, [released], deadline, first):
+        raise GroupFormationError(
+            f"could not form {stop.group} within {timeout}: every member connected, but not "
+            "every member arrived at the formation barrier after it (a member died or stopped "
+            "between the two)"
+        )
 
 
 def live_groups() -> Mapping[dist.ProcessGroup, object]:

@@ -99,6 +99,25 @@ class GroupTable:
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
         self.store_use = StoreUse()  # whether a formation clones torch's store client
+        self._record()
+
+    def _record(self) -> None:
+        """Write this rank's process record (one ``set``), so that a peer whose group waits
+        for it can tell it runs, even if it never asks for a group (the diagnosis says
+        "is alive and outside any group request" rather than listing likely causes).
+
+        At the table's making (a root mesh's construction), not at its first formation:
+        a rank that has formed nothing is the one a peer most needs to see. Not on the
+        fake backend (one process, nobody to see it); a store that fails here is tried
+        again at the first formation.
+        """
+        if self._recorded or not dist.is_initialized() or dist.get_backend() == "fake":
+            return
+        try:
+            _c10d.record_process()
+        except RuntimeError:  # the store is unreachable now: the first formation tries again
+            return
+        self._recorded = True
 
     def __len__(self) -> int:
         """The number of groups registered (formed and not yet released)."""
@@ -126,7 +145,9 @@ class GroupTable:
         ``what`` names it in the error (``"axis 'tp'"``), ``description`` in
         torch's tools (``"scopedmesh:tp"``).
         A group that cannot be made raises :class:`GroupFormationError`; nothing
-        is registered then. The caller holds :attr:`lock`.
+        is registered then; an abort (:meth:`abort`) while it forms stops it
+        with :class:`MeshClosedError`, within a slice of its waits. The caller
+        holds :attr:`lock`.
         """
         ranks, backend = key
         try:
@@ -143,9 +164,10 @@ class GroupTable:
                 grace=self.grace,
                 liveness=self.liveness,
                 store_use=self.store_use,
+                aborted=self._why_aborted,
                 unsplit=self.fresh_communicators,
             )
-        except GroupFormationError:  # diagnosed: the message already says it all
+        except (GroupFormationError, MeshClosedError):  # diagnosed, or aborted while it formed
             raise
         except RuntimeError as error:
             raise formation_error(backend, what, ranks, timeout, error) from error
@@ -156,6 +178,10 @@ class GroupTable:
             if group is not None:
                 self.abort_failures += _interrupt([group], self.aborted)
         return entry
+
+    def _why_aborted(self) -> str:
+        """Why the table was aborted (``""`` while it is not): what a formation asks."""
+        return self.aborted
 
     def abort(self, because: str) -> None:
         """Refuse every group of the table from now on; shut down or abort the groups it has.

@@ -116,22 +116,26 @@ def cycle4(rank: int, world_size: int) -> dict[str, Any]:
 # ------------------------------------------------------------------ peers that do not ask
 
 
-def swapped_with_barrier(rank: int, world_size: int, hidden: bool = False) -> dict[str, Any]:
+def swapped_with_barrier(
+    rank: int, world_size: int, hidden: bool = False, warm: bool = True
+) -> dict[str, Any]:
     """Two ranks: rank 0 asks for the group, then joins a barrier; rank 1 the other way round.
 
-    Both formed a group before, so each recorded its process. Rank 1 is inside a
-    collective, which no store can see: rank 0 is told at its timeout that rank 1 is
-    alive and outside any group request. ``hidden``: rank 1's record says another host,
-    so rank 0 cannot tell whether it runs, and is told the likely causes instead.
+    With ``warm``, both formed a group before; without, neither ever formed one (each
+    only made its mesh). Rank 1 is inside a collective, which no store can see: rank 0
+    is told at its timeout that rank 1 is alive and outside any group request.
+    ``hidden``: rank 1's record says another host, so rank 0 cannot tell whether it
+    runs, and is told the likely causes instead.
     """
     out: dict[str, Any] = {}
-    with ProcessGroupMesh(2, names=("all",), timeout=LONG) as warm:
-        out["before"] = ask(warm, "all")
-    if hidden and rank == 1:  # a process record no peer can check: "another host"
-        elsewhere = {"host": "another-host", "ns": "", "pid": 1, "start": ""}
-        _c10d.default_store().set(process_key(rank), json.dumps(elsewhere))
-    dist.barrier()
+    if warm:
+        with ProcessGroupMesh(2, names=("all",), timeout=LONG) as first:
+            out["before"] = ask(first, "all")
     with ProcessGroupMesh(2, names=("tp",), timeout=3.0) as mesh:
+        if hidden and rank == 1:  # a process record no peer can check: "another host"
+            elsewhere = {"host": "another-host", "ns": "", "pid": 1, "start": ""}
+            _c10d.default_store().set(process_key(rank), json.dumps(elsewhere))
+        dist.barrier()
         if rank == 0:
             out["first"] = ask(mesh, "tp")
             dist.barrier()

@@ -149,6 +149,21 @@ def test_two_ranks_group_and_barrier_swapped_name_the_peer_at_timeout() -> None:
     _check_clean(results, 2)
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it (waits out a 3 s formation timeout)
+def test_a_live_peer_that_never_formed_a_group_is_named_with_what_it_does() -> None:
+    """Issue 32, item 8: neither rank ever formed a group; rank 1 made its mesh and sits
+    in a barrier. Rank 0 can still see that it runs, so the message says what it does
+    (alive, outside any group request: user code or a collective), without the causes."""
+    results = run_world(workers.swapped_with_barrier, 2, args=(False, False), timeout=120)
+    assert "before" not in results[0] and "before" not in results[1]  # nothing formed first
+    assert results[0]["first"]["message"] == (
+        "could not form the gloo process group along axis 'tp' over ranks [0, 1] within "
+        f"0:00:03. {MISSING}  rank 1 {OUTSIDE}"
+    )
+    assert results[0]["again"]["sum"] == results[1]["again"]["sum"] == 2
+    _check_clean(results, 2)
+
+
 def test_a_peer_this_rank_cannot_see_gets_the_likely_causes() -> None:
     """Rank 1 says it runs on another host and no watch guards the mesh: its state is
     unknown, so the message keeps the list of likely causes, for rank 1 alone."""
@@ -163,19 +178,20 @@ def test_a_peer_this_rank_cannot_see_gets_the_likely_causes() -> None:
 
 @pytest.mark.fault  # a slow lane: .ci/run runs it (waits out a 3 s formation timeout)
 def test_three_ranks_a_peer_in_another_group_and_a_peer_that_closed_its_mesh() -> None:
-    """Rank 2 never formed a group, so no rank can see its process: the causes are listed
-    for rank 2 only; rank 1's state (its announcement) is known and leads."""
+    """Rank 2 never formed a group, yet its mesh recorded its process: it is named as
+    alive (issue 32, item 8: it was "cannot be seen", with the causes); rank 1's state
+    (its announcement) is known and leads. No likely causes: every state is known."""
     results = run_world(workers.missing_peers, 3, timeout=120)
     other = group("axis 'x' at indices [1, 2]", [1, 2], "scopedmesh:x[1,2]")
     assert results[0]["first"]["message"] == (
         "could not form the gloo process group along axis 'x' over ranks [0, 1, 2] within "
         f"0:00:03. {MISSING}"
         f"  rank 1 waits for rank 2 in another group: {other}, {SITE}\n"
-        f"  rank 2 {UNSEEN}{likely(2)}"
+        f"  rank 2 {OUTSIDE}"
     )
     assert results[1]["first"]["message"] == (
         "could not form the gloo process group along axis 'x' at indices [1, 2] over ranks "
-        f"[1, 2] within 0:00:08. {MISSING}  rank 2 {UNSEEN}{likely(2)}"
+        f"[1, 2] within 0:00:08. {MISSING}  rank 2 {OUTSIDE}"
     )
     assert results[2]["closed"] is True and "first" not in results[2]
     _check_clean(results, 3)

@@ -4,9 +4,10 @@ A world of 8 gloo ranks forms groups of 2, 4 and 8 members, each rank's store co
 scopedmesh's own requests per formation of an n-member group are 5n + 1: per member a
 generation ``add``, an arrival ``add``, a ``wait`` for the release (or, for the last to
 arrive, the release ``set`` and the counter's ``delete``), a departure ``add`` and the
-``delete`` of its own gloo address; the last to leave deletes the release key. A mesh's
-first group costs each member one more request, 6n + 1 in all: the ``set`` of its process
-record, which lets peers tell that it died (scopedmesh.c10d.diagnosis). Watching the
+``delete`` of its own gloo address; the last to leave deletes the release key. A mesh
+costs each member one more request, counted with its first group, 6n + 1 in all: the
+``set`` of its process record at the mesh's making, which lets peers tell that it runs or
+died (scopedmesh.c10d.processes). Watching the
 rendezvous for deadlocks costs nothing when every member arrives within the grace period:
 gloo's own wait for each address is the one request made. gloo's own
 rendezvous costs each member 1 + 2n (its address set, then a wait and a get per member),
