@@ -309,7 +309,7 @@ def _named_group(
     )
     try:
         if watch is not None and liveness is not None:  # guarded: a connect can be left behind
-            group = _construct_stoppable(build, stop, watch.deadline)
+            group = _construct_stoppable(build, stop, watch.deadline, watch.forget_written)
         else:
             group = build()
     except Exception:
@@ -352,8 +352,14 @@ def _public_group(
     return None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER else group
 
 
+ABANDON_GRACE = 0.5  # seconds an abandoned construction is given to end its watched wait
+
+
 def _construct_stoppable(
-    build: Callable[[], dist.ProcessGroup], stop: Stop, deadline: float
+    build: Callable[[], dist.ProcessGroup],
+    stop: Stop,
+    deadline: float,
+    forget: Callable[[], None],
 ) -> dist.ProcessGroup:
     """``build`` (:func:`_construct`) on a helper thread, this one asking ``stop`` every :data:`SLICE`.
 
@@ -364,6 +370,8 @@ def _construct_stoppable(
     abort raises here at once: the thread is left to end by itself (a store
     wait ends at its next slice, a connect at gloo's timeout), and destroys
     the group if it forms after all. A hang guard past ``deadline`` raises too.
+    An abandoned construction's address is deleted (``forget``) before the
+    error is raised, so that nothing of it stays in the store.
     """
     lock = threading.Lock()
     outcome: list[Any] = []  # [group or exception], or ["abandoned"]
@@ -389,11 +397,15 @@ def _construct_stoppable(
         if error is None and time.monotonic() >= guard and not outcome:
             error = GroupFormationError(f"could not form {stop.group}: its construction hung")
         with lock:
-            if not outcome and error is not None:
+            abandoned = not outcome and error is not None
+            if abandoned:
                 outcome.append("abandoned")
-                raise error
-            if outcome and not thread.is_alive():
+            elif outcome and not thread.is_alive():
                 break
+        if abandoned and error is not None:
+            thread.join(ABANDON_GRACE)  # a watched wait ends at its next slice, cleaning up
+            forget()  # a connect can go on for gloo's timeout: its address goes now
+            raise error
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     group: dist.ProcessGroup = outcome[0]
