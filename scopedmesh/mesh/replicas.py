@@ -433,13 +433,19 @@ class Replicas:
 
     @staticmethod
     def _average(pg: Any, tensors: Sequence[torch.Tensor], size: int) -> None:
+        """One all-reduce per dtype, one at a time: a failed one leaves no queued work
+        behind (gloo's group waits for its queue before it closes its connections)."""
         if size == 1:
             return
-        works = [pg.allreduce([t]) for t in tensors]
-        for work in works:
-            work.wait()
-        for t in tensors:
-            t.div_(size)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in group])
+            pg.allreduce([flat]).wait()
+            flat.div_(size)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def _agree_token(self) -> str:
         """One random token for this incarnation of the replica, the same on its ranks."""

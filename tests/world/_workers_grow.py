@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -47,6 +48,10 @@ class Progress:
             (int(s), tuple(int(r) for r in m), float(v)) for s, m, v in state["history"]
         ]
         torch.set_rng_state(state["rng"])
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 def model_of(coordinate: int) -> torch.nn.Module:
@@ -87,6 +92,7 @@ def train(
     progress = Progress()
     state = {"model": model, "optim": optim, "progress": progress}
     first_full: float | None = None
+    samples: list[tuple[int, int, int, int]] = []  # epoch, size, open fds, threads at its 1st step
     with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
         # Train `steps` steps, and on until the job is back to full shape (agreed: the
         # step and the epoch are the same on every member).
@@ -109,6 +115,10 @@ def train(
                 progress.step += 1
                 if first_full is None and decision.size == replicas:
                     first_full = time.time()
+                if not samples or samples[-1][0] != decision.epoch:
+                    samples.append(
+                        (decision.epoch, decision.size, _fds(), threading.active_count())
+                    )
                 total = shown.clone()
                 dist.all_reduce(total)  # the replica's ranks meet every step
             time.sleep(pace)
@@ -124,6 +134,7 @@ def train(
             "started": started,
             "first_full": first_full,
             "keys_left": keys_left,
+            "samples": samples,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         }
     return result
