@@ -22,9 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scopedmesh.c10d.store import read
 from scopedmesh.mesh.replicas import Replicas
 
 LR = 0.05
+STOP, STEP = "test/stop", "test/step"  # with steps < 0: the step to stop at; the last step
 
 
 def _debug(line: str) -> None:
@@ -48,6 +50,16 @@ class Progress:
             (int(s), tuple(int(r) for r in m), float(v)) for s, m, v in state["history"]
         ]
         torch.set_rng_state(state["rng"])
+
+
+def _going(store: Any, step: int, steps: int, whole: bool) -> bool:
+    """Train ``steps`` steps, then on until the job is whole (agreed: the step and the
+    epoch are the same on every member); with ``steps < 0``, until the step the test
+    wrote under STOP, once whole."""
+    if steps >= 0:
+        return step < steps or (not whole and step < 50 * steps)
+    stop = read(store, STOP)
+    return stop is None or step < int(stop) or not whole
 
 
 def _fds() -> int:
@@ -94,9 +106,7 @@ def train(
     first_full: float | None = None
     samples: list[tuple[int, int, int, int]] = []  # epoch, size, open fds, threads at its 1st step
     with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
-        # Train `steps` steps, and on until the job is back to full shape (agreed: the
-        # step and the epoch are the same on every member).
-        while progress.step < steps or (grow.size < replicas and progress.step < 50 * steps):
+        while _going(store, progress.step, steps, grow.size == replicas):
             decision = grow.boundary()
             _debug(
                 f"r{replica}c{coordinate} step {progress.step} epoch {decision.epoch} {decision.replicas}"
@@ -119,6 +129,8 @@ def train(
                     samples.append(
                         (decision.epoch, decision.size, _fds(), threading.active_count())
                     )
+                if steps < 0 and decision.source == replica and coordinate == 0:
+                    store.set(STEP, str(progress.step))
                 total = shown.clone()
                 dist.all_reduce(total)  # the replica's ranks meet every step
             time.sleep(pace)
