@@ -273,6 +273,9 @@ class Replicas:
     def _join(self) -> Decision:
         """Announce this incarnation, then wait for an epoch that admits it."""
         store, keys = self._store, self.keys
+        before = read(store, keys.join(self.replica, self.coordinate))
+        if before is not None and before != self.token:  # a dead predecessor's listener
+            store.delete_key(keys.address(self.replica, self.coordinate, before))
         store.set(keys.join(self.replica, self.coordinate), self.token)
         dist.barrier(group=self._group)  # every slot of this replica announced
         if self.coordinate == 0:
@@ -489,14 +492,16 @@ class Replicas:
         return self._gone(replica, coordinate, token)
 
     def _gone(self, replica: int, coordinate: int, token: str) -> bool:
-        """Probe incarnation ``token`` of a slot: True once its port refused (kept)."""
+        """Probe incarnation ``token`` of a slot: True once its port refused (kept), or its
+        address is gone (published before it announced; deleted by its successor or the
+        clean-up, once it is no member)."""
         key = (replica, coordinate, token)
         if key in self._dead_slots:
             return True
         if self._addresses.get(key) is None:
             self._addresses[key] = read(self._store, self.keys.address(*key))
         address = self._addresses[key]
-        if address is not None and probe(address) is True:
+        if address is None or probe(address) is True:
             self._dead_slots.add(key)
             return True
         return False
@@ -525,7 +530,7 @@ class Replicas:
         ]
         for key in formed:  # every member formed; its check-ins may still come
             store.delete_key(key)
-        store.set(keys.cleaned, str(decision.epoch + 1))
+        store.set(keys.cleaned, str(decision.epoch))  # its decision and check-ins stay
 
     def _slots(self) -> list[tuple[int, int]]:
         return [(r, c) for r in range(self.replicas) for c in range(self.local)]
