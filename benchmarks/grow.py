@@ -12,6 +12,8 @@ moment; the job restarts that replica at once. Per kill it prints:
 - **start -> full**: from the restarted process's start (the launcher's fork)
   to its first agreed step in the full mesh (in brackets: from the moment its
   training function began, i.e. without interpreter and import time);
+- **admitted** (when the joiner's report survives): from the restart to the end of
+  its admission (the new epoch formed and its state received);
 - **stall**: the survivors' step that admitted the joiner, minus their median
   step (both from agreed steps' end times);
 - **transfer**: the bytes the joiner received and how long the broadcast took.
@@ -57,10 +59,9 @@ def rank_main(
     """One rank: train until the launcher's stop step; report agreed steps' end times."""
     started = time.time()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
-    weights = torch.nn.Parameter(torch.zeros(numel))
-    optim = torch.optim.SGD([weights], lr=0.1)
-    progress = Progress()
-    state = {"weights": torch.nn.ParameterList([weights]), "optim": optim, "progress": progress}
+    weights = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
+    progress = Progress()  # no torch.optim: its first step imports torch._dynamo (seconds)
+    state = {"weights": torch.nn.ParameterList([weights]), "progress": progress}
     commits: list[tuple[float, int, int]] = []  # (time, epoch, size)
     with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
         while True:
@@ -68,22 +69,31 @@ def rank_main(
             if stop is not None and progress.step >= int(stop) and grow.size == replicas:
                 break
             decision = grow.boundary()
-            weights.grad = torch.full_like(weights, float(replica + 1))
-            if grow.all_reduce_([weights.grad]):
-                optim.step()
+            grad = torch.full_like(weights, float(replica + 1))
+            if grow.all_reduce_([grad]):
+                weights.sub_(grad, alpha=0.1)
                 progress.step += 1
                 commits.append((time.time(), decision.epoch, decision.size))
                 if decision.source == replica and coordinate == 0:
                     store.set(STEP, str(progress.step))
             time.sleep(pace)
         transfers = [(t.epoch, t.role, t.nbytes, t.seconds) for t in grow.transfers]
-    return {"started": started, "commits": commits, "transfers": transfers}
+        entered = list(grow.entered)
+    return {"started": started, "commits": commits, "transfers": transfers, "entered": entered}
 
 
 def _decision(job: ReplicaJob) -> Decision | None:
     latest = read(job.store, KEYS.latest)
     text = None if latest is None else read(job.store, KEYS.decision(int(latest)))
     return None if text is None or latest is None else Decision.parse(int(latest), text)
+
+
+def _whole(job: ReplicaJob, replicas: int, replica: int, token: str | None) -> bool:
+    """The job is at full shape with a new incarnation of ``replica`` (not ``token``)."""
+    decision = _decision(job)
+    if decision is None or decision.size != replicas:
+        return False
+    return token is None or decision.token(replica) != token
 
 
 def _wait(job: ReplicaJob, condition: Any, limit: float, what: str) -> None:
@@ -101,17 +111,19 @@ def run(replicas: int, local: int, kills: int, numel: int, pace: float) -> list[
     job.start()
     rng, events = random.Random(), []
     try:
+        token: tuple[int, str | None] = (0, None)  # the last victim and its incarnation
         for _ in range(kills):
-            full = lambda: (d := _decision(job)) is not None and d.size == replicas  # noqa: E731
-            _wait(job, full, 300, "the full shape")
+            _wait(job, lambda: _whole(job, replicas, *token), 300, "the full shape")
             time.sleep(rng.uniform(0.5, 1.5))
             victim = (rng.randrange(1, replicas), rng.randrange(local))
+            decision = _decision(job)
+            token = (victim[0], decision.token(victim[0]) if decision else None)
             before = len(job.restarts)
             job.kill(*victim)
             killed = time.time()
             _wait(job, lambda n=before: len(job.restarts) > n, 60, "the restart")
             events.append({"victim": victim, "killed": killed, "restarted": job.restarts[-1][1]})
-        _wait(job, lambda: (d := _decision(job)) is not None and d.size == replicas, 300, "end")
+        _wait(job, lambda: _whole(job, replicas, *token), 300, "the full shape")
         job.store.set(STOP, str(int(read(job.store, STEP) or 0) + 20))
         _wait(job, lambda: job.done, 300, "every rank to finish")
         return [_figures(event, job.results, replicas) for event in events]
@@ -136,6 +148,10 @@ def _figures(event: dict[str, Any], results: dict[Any, Any], replicas: int) -> d
         "start_to_full": regrown[0] - event["restarted"],
         # Only the last incarnation of a replica reports: an earlier joiner's start is gone.
         "fn_to_full": None if first_full is None else first_full - joiner["started"],
+        "admitted": next(
+            (t - event["restarted"] for e, t, _ in joiner.get("entered", []) if e == regrown[1]),
+            None,
+        ),
         "stall": steps[admitted - 1] - statistics.median(steps),
         "median_step": statistics.median(steps),
         "bytes": sent[0][2] if sent else None,
@@ -162,12 +178,12 @@ def main() -> None:
         f"load {load[0]:.1f}/{load[1]:.1f}"
     )
     rows = run(args.replicas, args.local, args.kills, args.numel, args.pace)
-    print("kill  death->reduced  start->full (in fn)   stall over median  transfer")
+    print("kill  death->reduced  start->full (in fn, admitted)  stall over median  transfer")
     for i, row in enumerate(rows, 1):
         nbytes = "n/a" if row["bytes"] is None else f"{row['bytes'] / 2**20:.2f} MiB"
         print(
             f"{i:4}  {_fmt(row['death_to_reduced'])}  {_fmt(row['start_to_full'])} "
-            f"({_fmt(row['fn_to_full'])})  {_fmt(row['stall'])} (median step "
+            f"({_fmt(row['fn_to_full'])}, {_fmt(row['admitted'])})  {_fmt(row['stall'])} (median step "
             f"{row['median_step']:.3f} s)  {nbytes} in {_fmt(row['transfer_s'])}"
         )
     load = os.getloadavg()

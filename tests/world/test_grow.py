@@ -284,3 +284,40 @@ def test_a_joiner_arriving_while_a_second_replica_dies_is_admitted() -> None:
     assert sorted(r for r, _ in job.restarts) == [1, 2]
     _check_converged(results)
     print(f"\nRELIABILITY grow, joiner while a second dies: schedule {_shapes(results)}")
+
+
+def _example() -> Any:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "grow_replicas.py"
+    spec = importlib.util.spec_from_file_location("grow_replicas", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.launch
+def test_the_example_under_torchrun_grows_back_with_equal_state() -> None:
+    """Three torchrun agents (--max-restarts 3); a worker of replica 1 SIGKILLed from outside."""
+    result = _example().launch(replicas=REPLICAS, nproc=LOCAL, steps=40, timeout=500)
+    text = "\n".join(f"[agent {a}] {line}" for a, line in result.lines)
+    assert not result.timed_out, text[-6000:]
+    assert result.killed is not None and result.killed[0] == 1, text[-6000:]
+    assert result.returncodes == [0] * REPLICAS, (result.returncodes, text[-6000:])
+    done = result.done()
+    assert set(done) == {(r, c) for r in range(REPLICAS) for c in range(LOCAL)}, text[-6000:]
+    for (replica, coordinate), (steps, digest) in done.items():
+        assert steps >= 40 and steps == done[(0, 0)][0]
+        assert digest == done[(0, coordinate)][1], (replica, coordinate, text[-6000:])
+    sizes = {line.rsplit("sizes ", 1)[1].split()[0] for _, line in result.lines if "done:" in line}
+    assert len(sizes) == 1, sizes  # the membership history is registered state: one for all
+    (history,) = sizes
+    assert "2" in history and history.endswith("3"), history  # shrank, then grew back
+    starts = [
+        line for _, line in result.lines if line.startswith("replica 1 ") and "started" in line
+    ]
+    assert len(starts) == 2 * LOCAL, starts  # replica 1 started twice: torchrun restarted it
