@@ -113,7 +113,7 @@ def run(replicas: int, local: int, kills: int, numel: int, pace: float) -> list[
     try:
         token: tuple[int, str | None] = (0, None)  # the last victim and its incarnation
         for _ in range(kills):
-            _wait(job, lambda: _whole(job, replicas, *token), 300, "the full shape")
+            _wait(job, lambda t=token: _whole(job, replicas, *t), 300, "the full shape")
             time.sleep(rng.uniform(0.5, 1.5))
             victim = (rng.randrange(1, replicas), rng.randrange(local))
             decision = _decision(job)
