@@ -5,10 +5,12 @@ process, each replica its own gloo world, restarted when one of its ranks dies)
 trains with :class:`~scopedmesh.mesh.replicas.Replicas`: a 4 MiB all-reduce per
 step (``--numel`` floats) and a ``--pace`` sleep. Each time the job is at full
 shape, a random rank of a random replica other than 0 is SIGKILLed at a random
-moment; the job restarts that replica at once. Per kill it prints:
+moment; the job restarts that replica ``--restart-delay`` seconds later (1 s,
+as the torchft comparison does; 0: at once). Per kill it prints:
 
 - **death -> reduced**: from the kill to the survivors' first agreed step without
-  the dead replica;
+  the dead replica (n/a: the restarted replica was admitted by the heal itself,
+  so no step ran without it);
 - **start -> full**: from the restarted process's start (the launcher's fork)
   to its first agreed step in the full mesh (in brackets: from the moment its
   training function began, i.e. without interpreter and import time);
@@ -105,9 +107,17 @@ def _wait(job: ReplicaJob, condition: Any, limit: float, what: str) -> None:
         time.sleep(0.005)
 
 
-def run(replicas: int, local: int, kills: int, numel: int, pace: float) -> list[dict[str, Any]]:
+def run(
+    replicas: int, local: int, kills: int, numel: int, pace: float, delay: float
+) -> list[dict[str, Any]]:
     """Start the job, kill ``kills`` times (each once the job is whole), collect reports."""
-    job = ReplicaJob(rank_main, replicas=replicas, local=local, args=(replicas, numel, pace))
+    job = ReplicaJob(
+        rank_main,
+        replicas=replicas,
+        local=local,
+        args=(replicas, numel, pace),
+        restart_delay=delay,
+    )
     job.start()
     rng, events = random.Random(), []
     try:
@@ -134,8 +144,11 @@ def run(replicas: int, local: int, kills: int, numel: int, pace: float) -> list[
 def _figures(event: dict[str, Any], results: dict[Any, Any], replicas: int) -> dict[str, Any]:
     victim, killed = event["victim"], event["killed"]
     survivor = results[(0, 0)]["commits"]
-    reduced = next(t for t, _, size in survivor if t > killed and size < replicas)
-    regrown = next((t, epoch) for t, epoch, size in survivor if t > reduced and size == replicas)
+    # The survivors' first agreed step after the kill: at the reduced shape, or already at
+    # full shape when the restarted replica announced itself before the heal decided.
+    first = next((t, epoch, size) for t, epoch, size in survivor if t > killed)
+    reduced = first[0] if first[2] < replicas else None
+    regrown = next((t, epoch) for t, epoch, size in survivor if t >= first[0] and size == replicas)
     times = [t for t, _, _ in survivor]
     steps = [b - a for a, b in itertools.pairwise(times)]
     admitted = times.index(regrown[0])
@@ -144,7 +157,7 @@ def _figures(event: dict[str, Any], results: dict[Any, Any], replicas: int) -> d
     first_full = next((t for t, e, _ in joiner.get("commits", []) if e == regrown[1]), None)
     sent = [t for t in results[(0, 0)]["transfers"] if t[0] == regrown[1] and t[1] == "sent"]
     return {
-        "death_to_reduced": reduced - killed,
+        "death_to_reduced": None if reduced is None else reduced - killed,
         "start_to_full": regrown[0] - event["restarted"],
         # Only the last incarnation of a replica reports: an earlier joiner's start is gone.
         "fn_to_full": None if first_full is None else first_full - joiner["started"],
@@ -170,14 +183,18 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--numel", type=int, default=1 << 20, help="floats all-reduced per step")
     parser.add_argument("--pace", type=float, default=0.05)
+    parser.add_argument(
+        "--restart-delay", type=float, default=1.0, help="seconds from a death to the restart"
+    )
     args = parser.parse_args()
     load = os.getloadavg()
     print(
         f"grow: {args.replicas} replicas x {args.local} ranks, gloo, "
-        f"{args.numel * 4 / 2**20:g} MiB all_reduce per step, {args.kills} kills; "
+        f"{args.numel * 4 / 2**20:g} MiB all_reduce per step, {args.kills} kills, "
+        f"restart {args.restart_delay:g} s after a death; "
         f"load {load[0]:.1f}/{load[1]:.1f}"
     )
-    rows = run(args.replicas, args.local, args.kills, args.numel, args.pace)
+    rows = run(args.replicas, args.local, args.kills, args.numel, args.pace, args.restart_delay)
     print("kill  death->reduced  start->full (in fn, admitted)  stall over median  transfer")
     for i, row in enumerate(rows, 1):
         nbytes = "n/a" if row["bytes"] is None else f"{row['bytes'] / 2**20:.2f} MiB"

@@ -66,7 +66,8 @@ def _rank_main(
 
 class ReplicaJob:
     """``replicas`` replicas of ``local`` ranks each, restarted up to ``max_restarts`` times
-    in all. ``start()``, then ``poll()`` often (it restarts dead replicas), ``kill()``
+    in all, ``restart_delay`` seconds after a failure is seen. ``start()``, then ``poll()``
+    often (it restarts dead replicas), ``kill()``
     a rank from outside, ``results`` once ``done``; ``stop()`` always (idempotent)."""
 
     def __init__(
@@ -77,6 +78,7 @@ class ReplicaJob:
         local: int,
         args: tuple[Any, ...] = (),
         max_restarts: int = 10,
+        restart_delay: float = 0.0,
     ) -> None:
         for name, value in (("replicas", replicas), ("local", local)):
             if not is_int(value):
@@ -84,7 +86,8 @@ class ReplicaJob:
             if not 1 <= value <= MAX_REPLICAS:
                 raise ValueError(f"{name} must be 1 to {MAX_REPLICAS}, got {shown(value)}")
         self.fn, self.replicas, self.local, self.args = fn, replicas, local, args
-        self.max_restarts = max_restarts
+        self.max_restarts, self.restart_delay = max_restarts, float(restart_delay)
+        self._failed_at: dict[int, float] = {}  # replica -> when poll() saw it fail
         self.store: Any = None
         self.restarts: list[tuple[int, float]] = []  # (replica, time.time() it restarted)
         self.failures: list[str] = []  # what the ranks of a failed incarnation reported
@@ -133,7 +136,10 @@ class ReplicaJob:
                 if not proc.is_alive() and (replica, coordinate) not in self.results:
                     failed = True
             if failed:
-                self._restart(replica)
+                since = self._failed_at.setdefault(replica, time.monotonic())
+                if time.monotonic() - since >= self.restart_delay:
+                    del self._failed_at[replica]
+                    self._restart(replica)
 
     def stop(self) -> None:
         """Kill every process still running and close the pipes."""
