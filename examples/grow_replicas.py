@@ -38,6 +38,11 @@ DONE = re.compile(r"^replica (\d+) coordinate (\d+) pid \d+ done: (\d+) steps, .
 # ------------------------------------------------------------------ the worker
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: the lines of workers that share a pipe never interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 class Progress:
     """The registered extras: the step and the membership each step trained with."""
 
@@ -62,7 +67,7 @@ def worker(steps: int, pace: float) -> None:
     host, port = os.environ["JOB_STORE"].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
     tag = f"replica {replica} coordinate {coordinate} pid {os.getpid()}"
-    print(f"{tag} started (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')})", flush=True)
+    say(f"{tag} started (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')})")
     torch.manual_seed(coordinate)
     model = torch.nn.Linear(64, 64)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -86,7 +91,7 @@ def worker(steps: int, pace: float) -> None:
         torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, buffer)
         digest = hashlib.sha256(buffer.getvalue()).hexdigest()[:16]
         sizes = "".join(str(s) for s in progress.shapes[1:])
-        print(f"{tag} done: {progress.step} steps, sizes {sizes} digest {digest}", flush=True)
+        say(f"{tag} done: {progress.step} steps, sizes {sizes} digest {digest}")
     dist.destroy_process_group()
 
 
