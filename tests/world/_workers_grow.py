@@ -106,8 +106,10 @@ def train(
     first_full: float | None = None
     samples: list[tuple[int, int, int, int]] = []  # epoch, size, open fds, threads at its 1st step
     with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
-        while _going(store, progress.step, steps, grow.size == replicas):
-            decision = grow.boundary()
+        while True:
+            decision = grow.boundary()  # first: a pending heal or admission counts
+            if not _going(store, progress.step, steps, decision.size == replicas):
+                break
             _debug(
                 f"r{replica}c{coordinate} step {progress.step} epoch {decision.epoch} {decision.replicas}"
             )

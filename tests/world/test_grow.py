@@ -132,6 +132,11 @@ def _regrown(job: ReplicaJob, replica: int, token: str | None) -> bool:
     return _full(job) and decision is not None and decision.token(replica) != token
 
 
+def _stop_soon(job: ReplicaJob) -> None:
+    """Have a job started with ``steps=-1`` stop 10 steps on, once whole."""
+    job.store.set(workers.STOP, str(int(read(job.store, workers.STEP) or 0) + 10))
+
+
 def _joins(job: ReplicaJob) -> int:
     return int(read(job.store, KEYS.joins) or 0)
 
@@ -226,7 +231,7 @@ def test_five_kill_rejoin_cycles_leak_no_keys_fds_or_threads() -> None:
                 job, "the full shape", lambda v=victim[0], t=token: _regrown(job, v, t), deadline
             )
         keys.append(job.store.num_keys())
-        job.store.set(workers.STOP, str(int(read(job.store, workers.STEP) or 0) + 10))
+        _stop_soon(job)
         results = _finish(job, deadline)
     finally:
         job.stop()
@@ -250,7 +255,7 @@ def test_five_kill_rejoin_cycles_leak_no_keys_fds_or_threads() -> None:
 def test_a_kill_during_admission_ends_in_one_consistent_epoch() -> None:
     """The joiner or a survivor dies while the joiner is being admitted."""
     rng = random.Random()
-    job = _start(steps=40, pace=0.05)
+    job = _start(steps=-1, pace=0.05)  # until told: the job must not end between the kills
     deadline = time.monotonic() + 2 * BOUND
     try:
         _until(job, "the first epoch", lambda: _full(job), deadline)
@@ -259,7 +264,11 @@ def test_a_kill_during_admission_ends_in_one_consistent_epoch() -> None:
         _until(job, "the restarted replica to announce", lambda: _joins(job) > joins, deadline)
         time.sleep(rng.uniform(0.0, 0.3))  # inside the admission: decision, formation, transfer
         second = (rng.choice([1, 2]), rng.randrange(LOCAL))
+        decision = _decision(job)
+        token = decision.token(second[0]) if decision is not None else None
         assert job.kill(*second) is not None
+        _until(job, "the full shape", lambda: _regrown(job, second[0], token), deadline)
+        _stop_soon(job)
         results = _finish(job, deadline)
     finally:
         job.stop()
@@ -270,14 +279,18 @@ def test_a_kill_during_admission_ends_in_one_consistent_epoch() -> None:
 @pytest.mark.fault
 def test_a_joiner_arriving_while_a_second_replica_dies_is_admitted() -> None:
     rng = random.Random()
-    job = _start(steps=40, pace=0.05)
+    job = _start(steps=-1, pace=0.05)  # until told: the job must not end between the kills
     deadline = time.monotonic() + 2 * BOUND
     try:
         _until(job, "the first epoch", lambda: _full(job), deadline)
         assert job.kill(1, rng.randrange(LOCAL)) is not None
         joins = _joins(job)
         _until(job, "replica 1 to announce itself", lambda: _joins(job) > joins, deadline)
+        decision = _decision(job)
+        token = decision.token(2) if decision is not None else None
         assert job.kill(2, rng.randrange(LOCAL)) is not None
+        _until(job, "the full shape", lambda: _regrown(job, 2, token), deadline)
+        _stop_soon(job)
         results = _finish(job, deadline)
     finally:
         job.stop()
