@@ -108,7 +108,10 @@ def train(
     with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
         while True:
             decision = grow.boundary()  # first: a pending heal or admission counts
-            if not _going(store, progress.step, steps, decision.size == replicas):
+            # Whole: at full shape, and the last agreed step trained there (the same on all).
+            whole = decision.size == replicas and bool(progress.history)
+            whole = whole and len(progress.history[-1][1]) == replicas
+            if not _going(store, progress.step, steps, whole):
                 break
             _debug(
                 f"r{replica}c{coordinate} step {progress.step} epoch {decision.epoch} {decision.replicas}"
