@@ -75,7 +75,7 @@ def worker(steps: int, pace: float) -> None:
     state = {"model": model, "optim": optim, "progress": progress}
     replicas = int(os.environ["REPLICAS"])
     with Replicas(store, replica=replica, replicas=replicas, state=state) as grow:
-        while progress.step < steps or (grow.size < replicas and progress.step < 200 * steps):
+        while progress.step < steps or (grow.size < replicas and progress.step < 20 * steps):
             decision = grow.boundary()
             optim.zero_grad()
             # each replica its own data: seeded by (replica, coordinate, step)
