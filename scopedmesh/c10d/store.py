@@ -40,8 +40,10 @@ from torch.distributed import distributed_c10d as c10d
 from scopedmesh.c10d.names import group_name
 
 __all__ = [
+    "REPLICAS_ROOT",
     "WATCH_ROOT",
     "AgreementKeys",
+    "ReplicaKeys",
     "StoreUse",
     "WatchKeys",
     "announcement_key",
@@ -362,3 +364,80 @@ def heal_keys(tag: str, rank: int) -> tuple[str, str]:
     ('scopedmesh-heal/step-7/alive/2', 'scopedmesh-heal/step-7/lost')
     """
     return f"scopedmesh-heal/{tag}/alive/{rank}", f"scopedmesh-heal/{tag}/lost"
+
+
+# ------------------------------------------------------------------ replicas that grow back
+
+REPLICAS_ROOT = "scopedmesh-replicas"  # every key of a replicated job's membership starts so
+
+
+@dataclass(frozen=True)
+class ReplicaKeys:
+    """The keys of a replicated job's membership, on the job's store (one job per store).
+
+    A member is a slot: (replica, coordinate inside the replica). An epoch is one
+    membership, decided once; its dp groups live under :meth:`group`.
+
+    >>> keys = ReplicaKeys()
+    >>> keys.join(2, 1), keys.decision(3), keys.group(3, 1)
+    ('scopedmesh-replicas/join/2/1', 'scopedmesh-replicas/epoch/3/decision', 'scopedmesh-replicas/epoch/3/dp1')
+    >>> keys.gloo_address(3, 1, 0)
+    'scopedmesh-replicas/epoch/3/dp1/0/0'
+    """
+
+    root: str = REPLICAS_ROOT
+
+    @property
+    def joins(self) -> str:
+        """How many replica incarnations announced themselves (read once per step)."""
+        return f"{self.root}/joins"
+
+    @property
+    def latest(self) -> str:
+        """The newest epoch that formed (a joiner starts looking there)."""
+        return f"{self.root}/latest"
+
+    @property
+    def cleaned(self) -> str:
+        """The epochs below this one have no key left."""
+        return f"{self.root}/cleaned"
+
+    def join(self, replica: int, coordinate: int) -> str:
+        """The token of the incarnation of ``replica`` whose ``coordinate`` wants in."""
+        return f"{self.root}/join/{replica}/{coordinate}"
+
+    def address(self, replica: int, coordinate: int, token: str) -> str:
+        """Where incarnation ``token`` of slot (``replica``, ``coordinate``) listens (probes)."""
+        return f"{self.root}/addr/{replica}/{coordinate}/{token}"
+
+    def decision(self, epoch: int) -> str:
+        """Epoch ``epoch``'s membership, written once (``compare_set``)."""
+        return f"{self.root}/epoch/{epoch}/decision"
+
+    def checked_in(self, epoch: int, replica: int, coordinate: int) -> str:
+        """A slot of ``epoch`` that left it after a failure, alive."""
+        return f"{self.root}/epoch/{epoch}/in/{replica}/{coordinate}"
+
+    def ready(self, epoch: int, replica: int, coordinate: int) -> str:
+        """A slot about to form ``epoch``'s groups."""
+        return f"{self.root}/epoch/{epoch}/ready/{replica}/{coordinate}"
+
+    def group(self, epoch: int, coordinate: int) -> str:
+        """The store prefix of ``epoch``'s dp group along ``coordinate``."""
+        return f"{self.root}/epoch/{epoch}/dp{coordinate}"
+
+    def gloo_address(self, epoch: int, coordinate: int, member: int) -> str:
+        """Where gloo's ``member`` of that group wrote its address (device 0).
+
+        ``tests/world/test_grow.py`` pins this layout on the installed torch.
+        """
+        return f"{self.group(epoch, coordinate)}/0/{member}"
+
+    def epoch_keys(self, epoch: int, replicas: int, local: int) -> list[str]:
+        """Every key ``epoch`` can leave, for ``replicas`` replicas of ``local`` slots."""
+        slots = [(r, c) for r in range(replicas) for c in range(local)]
+        keys = [self.decision(epoch)]
+        keys += [self.checked_in(epoch, r, c) for r, c in slots]
+        keys += [self.ready(epoch, r, c) for r, c in slots]
+        keys += [self.gloo_address(epoch, c, m) for c in range(local) for m in range(replicas)]
+        return keys

@@ -1,0 +1,211 @@
+"""Grow back, measured: ``python -m benchmarks.grow [--replicas 4 --local 1 --kills 5]``.
+
+A :class:`~scopedmesh.testing.replicas.ReplicaJob` (the job's store in this
+process, each replica its own gloo world, restarted when one of its ranks dies)
+trains with :class:`~scopedmesh.mesh.replicas.Replicas`: a 4 MiB all-reduce per
+step (``--numel`` floats) and a ``--pace`` sleep. Each time the job is at full
+shape, a random rank of a random replica other than 0 is SIGKILLed at a random
+moment; the job restarts that replica ``--restart-delay`` seconds later (1 s,
+as the torchft comparison does; 0: at once). Per kill it prints:
+
+- **death -> reduced**: from the kill to the survivors' first agreed step without
+  the dead replica (n/a: the restarted replica was admitted by the heal itself,
+  so no step ran without it);
+- **start -> full**: from the restarted process's start (the launcher's fork)
+  to its first agreed step in the full mesh (in brackets: from the moment its
+  training function began, i.e. without interpreter and import time);
+- **admitted** (when the joiner's report survives): from the restart to the end of
+  its admission (the new epoch formed and its state received);
+- **stall**: the survivors' step that admitted the joiner, minus their median
+  step (both from agreed steps' end times);
+- **transfer**: the bytes the joiner received and how long the broadcast took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh.c10d.store import ReplicaKeys, read
+from scopedmesh.mesh.membership import Decision
+from scopedmesh.mesh.replicas import Replicas
+from scopedmesh.testing.replicas import ReplicaJob
+
+KEYS = ReplicaKeys()
+STOP, STEP = "bench/stop", "bench/step"  # the launcher's stop step; the source's step
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+
+def rank_main(
+    replica: int, coordinate: int, port: int, replicas: int, numel: int, pace: float
+) -> dict[str, Any]:
+    """One rank: train until the launcher's stop step; report agreed steps' end times."""
+    started = time.time()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+    weights = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
+    progress = Progress()  # no torch.optim: its first step imports torch._dynamo (seconds)
+    state = {"weights": torch.nn.ParameterList([weights]), "progress": progress}
+    commits: list[tuple[float, int, int]] = []  # (time, epoch, size)
+    with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
+        while True:
+            stop = read(store, STOP)
+            if stop is not None and progress.step >= int(stop) and grow.size == replicas:
+                break
+            decision = grow.boundary()
+            grad = torch.full_like(weights, float(replica + 1))
+            if grow.all_reduce_([grad]):
+                weights.sub_(grad, alpha=0.1)
+                progress.step += 1
+                commits.append((time.time(), decision.epoch, decision.size))
+                if decision.source == replica and coordinate == 0:
+                    store.set(STEP, str(progress.step))
+            time.sleep(pace)
+        transfers = [(t.epoch, t.role, t.nbytes, t.seconds) for t in grow.transfers]
+        entered = list(grow.entered)
+    return {"started": started, "commits": commits, "transfers": transfers, "entered": entered}
+
+
+def _decision(job: ReplicaJob) -> Decision | None:
+    latest = read(job.store, KEYS.latest)
+    text = None if latest is None else read(job.store, KEYS.decision(int(latest)))
+    return None if text is None or latest is None else Decision.parse(int(latest), text)
+
+
+def _whole(job: ReplicaJob, replicas: int, replica: int, token: str | None) -> bool:
+    """The job is at full shape with a new incarnation of ``replica`` (not ``token``)."""
+    decision = _decision(job)
+    if decision is None or decision.size != replicas:
+        return False
+    return token is None or decision.token(replica) != token
+
+
+def _wait(job: ReplicaJob, condition: Any, limit: float, what: str) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        job.poll()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {limit:g} s for {what}; failures: {job.failures[-2:]}")
+        time.sleep(0.005)
+
+
+def run(
+    replicas: int, local: int, kills: int, numel: int, pace: float, delay: float
+) -> list[dict[str, Any]]:
+    """Start the job, kill ``kills`` times (each once the job is whole), collect reports."""
+    job = ReplicaJob(
+        rank_main,
+        replicas=replicas,
+        local=local,
+        args=(replicas, numel, pace),
+        restart_delay=delay,
+    )
+    job.start()
+    rng, events = random.Random(), []
+    try:
+        token: tuple[int, str | None] = (0, None)  # the last victim and its incarnation
+        for _ in range(kills):
+            _wait(job, lambda t=token: _whole(job, replicas, *t), 300, "the full shape")
+            time.sleep(rng.uniform(0.5, 1.5))
+            victim = (rng.randrange(1, replicas), rng.randrange(local))
+            decision = _decision(job)
+            token = (victim[0], decision.token(victim[0]) if decision else None)
+            before = len(job.restarts)
+            job.kill(*victim)
+            killed = time.time()
+            _wait(job, lambda n=before: len(job.restarts) > n, 60, "the restart")
+            events.append({"victim": victim, "killed": killed, "restarted": job.restarts[-1][1]})
+        _wait(job, lambda: _whole(job, replicas, *token), 300, "the full shape")
+        job.store.set(STOP, str(int(read(job.store, STEP) or 0) + 20))
+        _wait(job, lambda: job.done, 300, "every rank to finish")
+        return [_figures(event, job.results, replicas) for event in events]
+    finally:
+        job.stop()
+
+
+def _figures(event: dict[str, Any], results: dict[Any, Any], replicas: int) -> dict[str, Any]:
+    victim, killed = event["victim"], event["killed"]
+    survivor = results[(0, 0)]["commits"]
+    # The survivors' first agreed step after the kill: at the reduced shape, or already at
+    # full shape when the restarted replica announced itself before the heal decided.
+    first = next((t, epoch, size) for t, epoch, size in survivor if t > killed)
+    reduced = first[0] if first[2] < replicas else None
+    regrown = next((t, epoch) for t, epoch, size in survivor if t >= first[0] and size == replicas)
+    times = [t for t, _, _ in survivor]
+    steps = [b - a for a, b in itertools.pairwise(times)]
+    admitted = times.index(regrown[0])
+    # The survivors' first step in the regrown epoch is the joiner's too (one all-reduce).
+    joiner = results.get((victim[0], victim[1]), {})
+    first_full = next((t for t, e, _ in joiner.get("commits", []) if e == regrown[1]), None)
+    sent = [t for t in results[(0, 0)]["transfers"] if t[0] == regrown[1] and t[1] == "sent"]
+    return {
+        "death_to_reduced": None if reduced is None else reduced - killed,
+        "start_to_full": regrown[0] - event["restarted"],
+        # Only the last incarnation of a replica reports: an earlier joiner's start is gone.
+        "fn_to_full": None if first_full is None else first_full - joiner["started"],
+        "admitted": next(
+            (t - event["restarted"] for e, t, _ in joiner.get("entered", []) if e == regrown[1]),
+            None,
+        ),
+        "stall": steps[admitted - 1] - statistics.median(steps),
+        "median_step": statistics.median(steps),
+        "bytes": sent[0][2] if sent else None,
+        "transfer_s": sent[0][3] if sent else None,
+    }
+
+
+def _fmt(value: float | None, unit: str = "s") -> str:
+    return "   n/a" if value is None else f"{value:6.3f} {unit}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--local", type=int, default=1)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--numel", type=int, default=1 << 20, help="floats all-reduced per step")
+    parser.add_argument("--pace", type=float, default=0.05)
+    parser.add_argument(
+        "--restart-delay", type=float, default=1.0, help="seconds from a death to the restart"
+    )
+    args = parser.parse_args()
+    load = os.getloadavg()
+    print(
+        f"grow: {args.replicas} replicas x {args.local} ranks, gloo, "
+        f"{args.numel * 4 / 2**20:g} MiB all_reduce per step, {args.kills} kills, "
+        f"restart {args.restart_delay:g} s after a death; "
+        f"load {load[0]:.1f}/{load[1]:.1f}"
+    )
+    rows = run(args.replicas, args.local, args.kills, args.numel, args.pace, args.restart_delay)
+    print("kill  death->reduced  start->full (in fn, admitted)  stall over median  transfer")
+    for i, row in enumerate(rows, 1):
+        nbytes = "n/a" if row["bytes"] is None else f"{row['bytes'] / 2**20:.2f} MiB"
+        print(
+            f"{i:4}  {_fmt(row['death_to_reduced'])}  {_fmt(row['start_to_full'])} "
+            f"({_fmt(row['fn_to_full'])}, {_fmt(row['admitted'])})  {_fmt(row['stall'])} (median step "
+            f"{row['median_step']:.3f} s)  {nbytes} in {_fmt(row['transfer_s'])}"
+        )
+    load = os.getloadavg()
+    print(f"load {load[0]:.1f}/{load[1]:.1f} after")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,566 @@
+"""Replicas that grow back: a lost replica restarts, is admitted at a step boundary, and
+catches up from a live one; the job returns to its full shape.
+
+A replicated job is ``replicas`` copies of one replica (its own WORLD: tp, pp, FSDP2
+and scoped meshes inside it are as before), each with ``local`` ranks. A member
+is a **slot**, ``(replica, coordinate)``, and an **epoch** names one membership,
+decided once in a store that outlives every replica (the job's store, hosted by
+the launcher). Each epoch's cross-replica (dp) groups are formed outside WORLD,
+one per coordinate, under the epoch's prefix in that store.
+
+What a training loop writes (``examples/grow_replicas.py`` runs it)::
+
+    with Replicas(store, replica=r, replicas=3, state={"model": model, "optim": opt,
+                                                       "progress": progress}) as grow:
+        while progress.step < steps:
+            grow.boundary()                         # join, admit joiners, drop the dead
+            loss = compute_grads(model, progress.step)
+            if grow.all_reduce_([p.grad for p in model.parameters()]):
+                opt.step(); progress.step += 1      # False: a replica died mid-step; redo it
+
+``boundary()`` costs nothing unless the last ``all_reduce_`` saw a change.
+``all_reduce_`` averages along the epoch's dp group, then agrees on the step's
+outcome: one store request per replica (the joins counter), a 2-integer MAX
+along dp and one along the replica's own group. So every member sees the same
+verdict at the same step: commit, commit and admit at the next boundary, or
+redo the step in a new epoch (a dp collective failed somewhere).
+
+docs/healing.md ("Grow back") gives the protocol, its store traffic and its limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.c10d.store import ReplicaKeys, read
+from scopedmesh.errors import LostRankError, shown
+from scopedmesh.layout.ints import is_int
+from scopedmesh.mesh.membership import Decision, complete_joiners, propose
+
+__all__ = ["Replicas", "Stateful", "Transfer"]
+
+PROBE_EVERY = 0.1  # seconds between two probes of one slot that has not answered yet
+PROBE_WAIT = 1.0  # seconds a probe's connect may take before it counts as "no answer yet"
+
+
+class Stateful(Protocol):
+    """What a replica registers: torch's ``state_dict`` / ``load_state_dict`` pair."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One catch-up: ``epoch``, ``role`` (``sent`` or ``received``), ``nbytes``, ``seconds``."""
+
+    epoch: int
+    role: str
+    nbytes: int
+    seconds: float
+
+
+def _route_address(target: str) -> str:
+    """This host's address on the route to ``target`` (no traffic is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))
+            address: str = probe.getsockname()[0]
+            return address
+    except OSError:
+        return "127.0.0.1"
+
+
+def probe(address: str) -> bool | None:
+    """Whether the process listening at ``host:port`` is gone (True), alive (False), or
+    unknown (None: no answer within :data:`PROBE_WAIT`). A dead process's port refuses."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_WAIT):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return None
+
+
+def _serialize(state: Mapping[str, Stateful]) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save({name: obj.state_dict() for name, obj in state.items()}, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def _load(state: Mapping[str, Stateful], data: bytearray) -> None:
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    for name, obj in state.items():
+        obj.load_state_dict(loaded[name])
+
+
+def _check_args(replica: object, replicas: object, state: object) -> dict[str, Stateful]:
+    if not is_int(replicas) or isinstance(replicas, bool):
+        raise TypeError(f"replicas must be an int, got {shown(replicas)}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {shown(replicas)}")
+    if not is_int(replica) or isinstance(replica, bool):
+        raise TypeError(f"replica must be an int, got {shown(replica)}")
+    if not 0 <= replica < replicas:
+        raise ValueError(f"replica must be in 0..{replicas - 1}, got {shown(replica)}")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to stateful objects, got {shown(state)}")
+    for name, obj in state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state's names must be str, got {shown(name)}")
+        if not callable(getattr(obj, "state_dict", None)) or not callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            raise TypeError(
+                f"state[{name!r}] must have state_dict() and load_state_dict(), got {shown(obj)}"
+            )
+    return dict(state)
+
+
+class Replicas:
+    """This rank's slot in a replicated job whose replicas die and grow back.
+
+    ``store`` is the job's store (a ``TCPStore`` client of the launcher's
+    server; never a replica's own). ``replica`` is this replica's number in
+    ``0..replicas-1``; its ranks are ``group`` (default WORLD), and this rank's
+    coordinate is its rank there. ``state`` maps names to objects with
+    ``state_dict``/``load_state_dict`` (model, optimizer, progress: step, RNG,
+    data position): a joiner receives them from the epoch's source replica.
+    ``timeout`` bounds every wait; each says what it waited for.
+    ``form_timeout`` bounds gloo's connection of an epoch's group (a member
+    that dies after every member was ready costs its peers that long).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        replica: int,
+        replicas: int,
+        state: Mapping[str, Stateful],
+        group: dist.ProcessGroup | None = None,
+        timeout: timedelta | float = 60.0,
+        host: str | None = None,
+        poll: float = 0.01,
+        form_timeout: timedelta | float = 10.0,
+    ) -> None:
+        self._state = _check_args(replica, replicas, state)
+        self._timeout = check_timeout(timeout).total_seconds()
+        self._store, self._group, self._poll = store, group, float(poll)
+        self.replica, self.replicas = int(replica), int(replicas)
+        self.coordinate = dist.get_rank(group)
+        self.local = dist.get_world_size(group)
+        self.keys = ReplicaKeys()
+        self.decision: Decision | None = None
+        self.transfers: list[Transfer] = []
+        self.failure: str | None = None  # the last dp collective that failed here, and why
+        self.entered: list[tuple[int, float, tuple[int, ...]]] = []  # epoch, time, replicas
+        self._pg: Any = None  # this epoch's dp group along this rank's coordinate
+        self._pending: str | None = "join"
+        self._probed: dict[tuple[int, int], float] = {}
+        self._dead_slots: set[tuple[int, int, str]] = set()  # (replica, coordinate, token)
+        self._cleaned = -1  # the epoch whose older keys this rank last had deleted
+        self._form_timeout = check_timeout(form_timeout, "form_timeout").total_seconds()
+        self._addresses: dict[tuple[int, int, str], str | None] = {}
+        self._closed = False
+        target = host or getattr(store, "host", None) or "127.0.0.1"
+        self._listener = socket.create_server((_route_address(target), 0), backlog=1024)
+        self._listener.setblocking(False)
+        self.token = self._agree_token()
+        address = "{}:{}".format(*self._listener.getsockname()[:2])
+        store.set(self.keys.address(self.replica, self.coordinate, self.token), address)
+
+    # ------------------------------------------------------------------ the loop's calls
+
+    @property
+    def size(self) -> int:
+        """How many replicas the current epoch holds (0 before the first boundary)."""
+        return 0 if self.decision is None else self.decision.size
+
+    def boundary(self) -> Decision:
+        """Join, admit joiners or re-form without the dead, as the last step decided.
+
+        Free when nothing changed (no request, no collective). After a change,
+        every member holds the source replica's state, bit for bit.
+        """
+        self._check_open()
+        if self._pending == "join":
+            self._enter(self._join())
+        elif self._pending == "heal":
+            self._enter(self._heal(self._current()))
+        elif self._pending == "admit":
+            self._enter(self._admit(self._current()))
+        return self._current()
+
+    def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Average ``tensors`` in place along the dp group; True if every replica's step
+        succeeded (apply it), False if one failed (the state is re-synced at the next
+        :meth:`boundary`: redo the step)."""
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError(
+                f"replica {self.replica}: call boundary() before all_reduce_ ({self._pending} due)"
+            )
+        decision = self._current()
+        self._drain()
+        ok = self._dp(lambda pg: self._average(pg, tensors, decision.size))
+        joins = self._store.add(self.keys.joins, 0) if self.coordinate == 0 else 0
+        flags = torch.tensor([0 if ok else 1, joins], dtype=torch.int64)
+        if ok:
+            ok = self._dp(lambda pg: pg.allreduce([flags], _max()).wait())
+            flags[0] = max(int(flags[0]), 0 if ok else 1)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        if int(flags[0]):
+            self._pg = None  # close this rank's dp connections: peers fail at once
+            self._pending = "heal"
+            return False
+        if int(flags[1]) > decision.joins:
+            self._pending = "admit"
+        if self._cleaned < decision.epoch and decision.source == self.replica:
+            self._cleaned = decision.epoch
+            if self.coordinate == 0:
+                self._clean(decision)
+        return True
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Drop the dp group and the listener; remove this slot's address. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pg = None
+        self._listener.close()
+        with contextlib.suppress(Exception):
+            self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
+
+    def __enter__(self) -> Replicas:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Replicas(replica={self.replica}, coordinate={self.coordinate}, "
+            f"epoch={None if self.decision is None else self.decision.epoch}, size={self.size})"
+        )
+
+    # ------------------------------------------------------------------ transitions
+
+    def _join(self) -> Decision:
+        """Announce this incarnation, then wait for an epoch that admits it."""
+        store, keys = self._store, self.keys
+        before = read(store, keys.join(self.replica, self.coordinate))
+        if before is not None and before != self.token:  # a dead predecessor's listener
+            store.delete_key(keys.address(self.replica, self.coordinate, before))
+        store.set(keys.join(self.replica, self.coordinate), self.token)
+        dist.barrier(group=self._group)  # every slot of this replica announced
+        if self.coordinate == 0:
+            store.add(keys.joins, 1)
+        epoch = int(read(store, keys.latest) or 0)
+        deadline = time.monotonic() + self._timeout
+        while True:
+            self._drain()
+            text = read(store, keys.decision(epoch))
+            if text is None and epoch == 0 and read(store, keys.latest) is None:
+                text = self._bootstrap()
+            if text is not None:
+                decision = Decision.parse(epoch, text)
+                if decision.token(self.replica) == self.token:
+                    return decision
+                epoch += 1
+                continue
+            epoch = max(epoch, int(read(store, keys.latest) or 0))
+            self._wait_or_fail(
+                deadline, f"an epoch that admits replica {self.replica} (from {epoch})"
+            )
+
+    def _bootstrap(self) -> str | None:
+        """The first epoch, once every replica announced; None until then."""
+        if self._store.add(self.keys.joins, 0) < self.replicas:
+            return None
+        joiners = self._joiners(Decision(-1, (), 0, 0))
+        if len(joiners) < self.replicas:
+            return None
+        joins = self._store.add(self.keys.joins, 0)
+        first = propose(0, {}, joiners, joins)
+        return self._decide(first)
+
+    def _admit(self, current: Decision) -> Decision:
+        """The next epoch: every member and every complete joiner (no waiting)."""
+        self._pg = None
+        joins = self._store.add(self.keys.joins, 0)
+        nxt = propose(current.epoch + 1, dict(current.members), self._joiners(current), joins)
+        return Decision.parse(current.epoch + 1, self._decide(nxt))
+
+    def _heal(self, current: Decision) -> Decision:
+        """After a failed step: check in, wait until every slot of ``current`` checked in
+        or one of its replica's slots is dead, then decide (or read) the next epoch."""
+        self._pg = None
+        store, keys, nxt = self._store, self.keys, current.epoch + 1
+        store.set(keys.checked_in(current.epoch, self.replica, self.coordinate), "1")
+        waiting = [(r, c) for r in current.replicas for c in range(self.local)]
+        deadline = time.monotonic() + self._timeout
+        while True:
+            self._drain()
+            text = read(store, keys.decision(nxt))
+            if text is not None:
+                return Decision.parse(nxt, text)
+            waiting = [
+                s for s in waiting if read(store, keys.checked_in(current.epoch, *s)) is None
+            ]
+            dead = {r for r, c in waiting if self._dead(current, r, c)}
+            undecided = sorted({r for r, _ in waiting} - dead)
+            if not undecided:
+                joins = store.add(keys.joins, 0)
+                alive = {r: t for r, t in current.members if r not in dead}
+                joiners = self._joiners(current)
+                return Decision.parse(nxt, self._decide(propose(nxt, alive, joiners, joins)))
+            self._wait_or_fail(
+                deadline,
+                f"replicas {undecided} of epoch {current.epoch} to check in after a failed "
+                f"step or to die (slots waited for: {[s for s in waiting if s[0] not in dead]})",
+            )
+
+    def _enter(self, decision: Decision) -> None:
+        """Form ``decision``'s groups and take its source's state; on a failure, heal."""
+        while True:
+            if decision.token(self.replica) != self.token:
+                self._pg = None
+                raise LostRankError(
+                    f"replica {self.replica} (incarnation {self.token}) is not in epoch "
+                    f"{decision.epoch} ({decision.text()}): its slot was taken or it was "
+                    f"found dead; restart the replica to rejoin"
+                )
+            self.decision = decision
+            ok = self._form(decision) and self._dp(functools.partial(self._sync, decision=decision))
+            flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            if not int(flag[0]):
+                self._pending = None
+                self.entered.append((decision.epoch, time.time(), decision.replicas))
+                if decision.source == self.replica and self.coordinate == 0:
+                    self._store.set(self.keys.latest, str(decision.epoch))
+                return
+            decision = self._heal(decision)
+
+    def _form(self, decision: Decision) -> bool:
+        """Wait until this coordinate's slots of ``decision`` are ready (False if one is
+        dead), then form the epoch's dp group outside WORLD."""
+        store, keys, epoch = self._store, self.keys, decision.epoch
+        store.set(keys.ready(epoch, self.replica, self.coordinate), "1")
+        deadline = time.monotonic() + self._timeout
+        waiting = [r for r in decision.replicas if r != self.replica]
+        while waiting:
+            self._drain()
+            waiting = [
+                r for r in waiting if read(store, keys.ready(epoch, r, self.coordinate)) is None
+            ]
+            if any(self._dead(decision, r, self.coordinate) for r in waiting):
+                return False
+            if waiting:
+                self._wait_or_fail(
+                    deadline,
+                    f"replicas {waiting} to form epoch {epoch} along coordinate {self.coordinate}",
+                )
+        prefix = dist.PrefixStore(keys.group(epoch, self.coordinate), store)  # type: ignore[attr-defined]  # public; not in torch's stub exports
+        try:
+            pg = dist.ProcessGroupGloo(
+                prefix,
+                decision.index(self.replica),
+                decision.size,
+                timedelta(seconds=self._form_timeout),
+            )
+        except RuntimeError:
+            return False
+        pg.set_timeout(timedelta(seconds=self._timeout))
+        self._pg = pg
+        return True
+
+    def _sync(self, pg: Any, decision: Decision) -> None:
+        """The source replica's state to every member along this coordinate (a broadcast)."""
+        if decision.size == 1:
+            return
+        start, options = time.perf_counter(), dist.BroadcastOptions()
+        options.rootRank = decision.index(decision.source)
+        sending = decision.source == self.replica
+        data = _serialize(self._state) if sending else torch.empty(0, dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+        pg.broadcast([length], options).wait()
+        received = bytearray(int(length[0]) if not sending else 0)
+        if not sending:
+            data = torch.frombuffer(received, dtype=torch.uint8)
+        pg.broadcast([data], options).wait()
+        if not sending:
+            _load(self._state, received)
+        role = "sent" if sending else "received"
+        seconds = time.perf_counter() - start
+        self.transfers.append(Transfer(decision.epoch, role, data.numel(), seconds))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _dp(self, work: Callable[[Any], object]) -> bool:
+        """Run ``work`` on the dp group; False (and the group dropped) if it failed."""
+        if self._pg is None:
+            return self.decision is not None and self.decision.size == 1
+        try:
+            work(self._pg)
+        except RuntimeError as error:
+            self.failure = f"epoch {self._current().epoch}: {str(error).splitlines()[0][:300]}"
+            self._pg = None  # gloo's connections close now: peers blocked on us fail at once
+            return False
+        return True
+
+    @staticmethod
+    def _average(pg: Any, tensors: Sequence[torch.Tensor], size: int) -> None:
+        """One all-reduce per dtype, one at a time: a failed one leaves no queued work
+        behind (gloo's group waits for its queue before it closes its connections)."""
+        if size == 1:
+            return
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in group])
+            pg.allreduce([flat]).wait()
+            flat.div_(size)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _agree_token(self) -> str:
+        """One random token for this incarnation of the replica, the same on its ranks."""
+        value = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64)
+        src = 0 if self._group is None else dist.get_global_rank(self._group, 0)
+        dist.broadcast(value, src=src, group=self._group)
+        return f"{int(value[0]):x}"
+
+    def _joiners(self, current: Decision) -> dict[int, str]:
+        """Replicas whose every slot announced one token that ``current`` does not hold,
+        and whose slots are not dead (a dead incarnation's announcement stays)."""
+        keys = [self.keys.join(r, c) for r in range(self.replicas) for c in range(self.local)]
+        values = [read(self._store, k) for k in keys]
+        announced = [
+            (r, c, values[r * self.local + c])
+            for r in range(self.replicas)
+            for c in range(self.local)
+        ]
+        found = complete_joiners(announced, self.local)
+        return {
+            r: t
+            for r, t in found.items()
+            if current.token(r) != t and not any(self._gone(r, c, t) for c in range(self.local))
+        }
+
+    def _decide(self, proposal: Decision) -> str:
+        """Write ``proposal`` unless an epoch's decision exists; return the one that stands."""
+        value = self._store.compare_set(self.keys.decision(proposal.epoch), "", proposal.text())
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def _dead(self, decision: Decision, replica: int, coordinate: int) -> bool:
+        """Whether slot (``replica``, ``coordinate``) of ``decision`` is known dead (probed
+        at most every :data:`PROBE_EVERY` seconds)."""
+        token = decision.token(replica)
+        if token is None or (replica, coordinate, token) in self._dead_slots:
+            return True
+        now = time.monotonic()
+        if now - self._probed.get((replica, coordinate), 0.0) < PROBE_EVERY:
+            return False
+        self._probed[(replica, coordinate)] = now
+        return self._gone(replica, coordinate, token)
+
+    def _gone(self, replica: int, coordinate: int, token: str) -> bool:
+        """Probe incarnation ``token`` of a slot: True once its port refused (kept), or its
+        address is gone (published before it announced; deleted by its successor or the
+        clean-up, once it is no member)."""
+        key = (replica, coordinate, token)
+        if key in self._dead_slots:
+            return True
+        if self._addresses.get(key) is None:
+            self._addresses[key] = read(self._store, self.keys.address(*key))
+        address = self._addresses[key]
+        if address is None or probe(address) is True:
+            self._dead_slots.add(key)
+            return True
+        return False
+
+    def _clean(self, decision: Decision) -> None:
+        """Once per epoch, after its first agreed step: delete older epochs' keys."""
+        store, keys = self._store, self.keys
+        cleaned = int(read(store, keys.cleaned) or 0)
+        if cleaned > decision.epoch:
+            return
+        current = set(decision.members)
+        for epoch in range(cleaned, decision.epoch):
+            text = read(store, keys.decision(epoch))
+            old = Decision.parse(epoch, text).members if text is not None else ()
+            for r, t in old:
+                if (r, t) not in current:
+                    for c in range(self.local):
+                        store.delete_key(keys.address(r, c, t))
+            for key in keys.epoch_keys(epoch, self.replicas, self.local):
+                store.delete_key(key)
+        formed = [keys.ready(decision.epoch, r, c) for r, c in self._slots()]
+        formed += [
+            keys.gloo_address(decision.epoch, c, m)
+            for c in range(self.local)
+            for m in range(decision.size)
+        ]
+        for key in formed:  # every member formed; its check-ins may still come
+            store.delete_key(key)
+        store.set(keys.cleaned, str(decision.epoch))  # its decision and check-ins stay
+
+    def _slots(self) -> list[tuple[int, int]]:
+        return [(r, c) for r in range(self.replicas) for c in range(self.local)]
+
+    def _drain(self) -> None:
+        """Accept and close the probes queued on this slot's listener (never blocks)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            while True:
+                conn, _ = self._listener.accept()
+                conn.close()
+
+    def _wait_or_fail(self, deadline: float, what: str) -> None:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"replica {self.replica} coordinate {self.coordinate}: waited {self._timeout:g} s "
+                f"for {what}"
+            )
+        time.sleep(self._poll)
+
+    def _current(self) -> Decision:
+        if self.decision is None:
+            raise RuntimeError(f"replica {self.replica} has not joined yet: call boundary() first")
+        return self.decision
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"replica {self.replica}'s Replicas is closed")
+
+
+def _max() -> Any:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stub: RedOpType
+    return options

@@ -1,0 +1,182 @@
+"""Workers of test_grow.py: a small replicated training job that grows back, and its
+one-process reference.
+
+Each replica has ``local`` ranks; rank ``c`` of every replica trains its own small
+model ``c`` (a shard), Adam, on data drawn from (replica, c, step). The gradients
+are averaged along the dp group of the epoch; a loss all-reduce over the
+replica's WORLD ties the replica's ranks into every step. The progress (step,
+the history of (step, replicas, loss), RNG state) is registered state, so a
+joiner receives it with the model and the optimizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh.c10d.store import read
+from scopedmesh.mesh.replicas import Replicas
+
+LR = 0.05
+STOP, STEP = "test/stop", "test/step"  # with steps < 0: the step to stop at; the last step
+
+
+def _debug(line: str) -> None:
+    if os.environ.get("GROW_DEBUG"):
+        os.write(2, f"{time.time():.3f} {line}\n".encode())
+
+
+class Progress:
+    """The loop's registered extras: step, the trajectory so far, the RNG state."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.history: list[tuple[int, tuple[int, ...], float]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "history": list(self.history), "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.history = [
+            (int(s), tuple(int(r) for r in m), float(v)) for s, m, v in state["history"]
+        ]
+        torch.set_rng_state(state["rng"])
+
+
+def _going(store: Any, step: int, steps: int, whole: bool) -> bool:
+    """Train ``steps`` steps, then on until the job is whole (agreed: the step and the
+    epoch are the same on every member); with ``steps < 0``, until the step the test
+    wrote under STOP, once whole."""
+    if steps >= 0:
+        return step < steps or (not whole and step < 50 * steps)
+    stop = read(store, STOP)
+    return stop is None or step < int(stop) or not whole
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def model_of(coordinate: int) -> torch.nn.Module:
+    torch.manual_seed(1000 + coordinate)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def batch(replica: int, coordinate: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(replica * 1_000_003 + coordinate * 10_007 + step)
+    x = torch.randn(32, 4, generator=g)
+    return x, (x.sum(dim=1, keepdim=True) * 0.5).sin()
+
+
+def loss_of(model: torch.nn.Module, replica: int, coordinate: int, step: int) -> torch.Tensor:
+    x, y = batch(replica, coordinate, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def digest(state: dict[str, Any]) -> str:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return hashlib.sha256(buffer.getvalue()).hexdigest()
+
+
+def train(
+    replica: int, coordinate: int, job_port: int, replicas: int, steps: int, pace: float
+) -> dict[str, Any]:
+    """One rank of one replica: join (or rejoin), train ``steps`` steps, report."""
+    started = time.time()
+    if os.environ.get("GROW_DEBUG"):
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1)
+    store = dist.TCPStore("127.0.0.1", job_port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+    model = model_of(coordinate)
+    optim = torch.optim.Adam(model.parameters(), lr=LR)
+    progress = Progress()
+    state = {"model": model, "optim": optim, "progress": progress}
+    first_full: float | None = None
+    samples: list[tuple[int, int, int, int]] = []  # epoch, size, open fds, threads at its 1st step
+    with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
+        while True:
+            decision = grow.boundary()  # first: a pending heal or admission counts
+            # Whole: at full shape, and the last agreed step trained there (the same on all).
+            whole = decision.size == replicas and bool(progress.history)
+            whole = whole and len(progress.history[-1][1]) == replicas
+            if not _going(store, progress.step, steps, whole):
+                break
+            _debug(
+                f"r{replica}c{coordinate} step {progress.step} epoch {decision.epoch} {decision.replicas}"
+            )
+            optim.zero_grad()
+            loss = loss_of(model, replica, coordinate, progress.step)
+            loss.backward()
+            shown = loss.detach().reshape(1).clone()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            ok = grow.all_reduce_([*grads, shown])
+            if not ok:
+                _debug(f"r{replica}c{coordinate} failed: {grow.failure}")
+            if ok:
+                optim.step()
+                progress.history.append((progress.step, decision.replicas, float(shown[0])))
+                progress.step += 1
+                if first_full is None and decision.size == replicas:
+                    first_full = time.time()
+                if not samples or samples[-1][0] != decision.epoch:
+                    samples.append(
+                        (decision.epoch, decision.size, _fds(), threading.active_count())
+                    )
+                if steps < 0 and decision.source == replica and coordinate == 0:
+                    store.set(STEP, str(progress.step))
+                total = shown.clone()
+                dist.all_reduce(total)  # the replica's ranks meet every step
+            time.sleep(pace)
+        keys_left = store.num_keys()
+        result = {
+            "digest": digest({"model": model.state_dict(), "optim": optim.state_dict()}),
+            "history": progress.history,
+            "epoch": grow.decision.epoch if grow.decision else None,
+            "size": grow.size,
+            "replicas": grow.decision.replicas if grow.decision else (),
+            "transfers": [(t.epoch, t.role, t.nbytes, t.seconds) for t in grow.transfers],
+            "entered": list(grow.entered),
+            "started": started,
+            "first_full": first_full,
+            "keys_left": keys_left,
+            "samples": samples,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        }
+    return result
+
+
+def reference(
+    history: list[tuple[int, tuple[int, ...], float]], coordinate: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Replay ``history``'s membership schedule in one process: losses and final weights."""
+    model = model_of(coordinate)
+    optim = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step, members, _ in history:
+        optim.zero_grad()
+        total = torch.zeros(())
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for r in members:
+            model.zero_grad()
+            loss = loss_of(model, r, coordinate, step)
+            loss.backward()
+            total = total + loss.detach()
+            for g, p in zip(grads, model.parameters()):
+                g += p.grad
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g / len(members)
+        optim.step()
+        losses.append(float(total / len(members)))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
