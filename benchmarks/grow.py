@@ -28,6 +28,7 @@ import itertools
 import os
 import random
 import statistics
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -176,8 +177,9 @@ def _fmt(value: float | None, unit: str = "s") -> str:
     return "   n/a" if value is None else f"{value:6.3f} {unit}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    """This module's own arguments (``python -m benchmarks.grow``)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--local", type=int, default=1)
     parser.add_argument("--kills", type=int, default=3)
@@ -186,7 +188,15 @@ def main() -> None:
     parser.add_argument(
         "--restart-delay", type=float, default=1.0, help="seconds from a death to the restart"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main(given: argparse.Namespace | None = None) -> int:
+    """Run the benchmark; ``given`` is ``python -m benchmarks.heal --grow``'s arguments
+    (its ``--kills`` is used, the rest are this module's defaults)."""
+    args = parser().parse_args() if given is None else parser().parse_args([])
+    if given is not None and given.kills is not None:
+        args.kills = given.kills
     load = os.getloadavg()
     print(
         f"grow: {args.replicas} replicas x {args.local} ranks, gloo, "
@@ -205,7 +215,8 @@ def main() -> None:
         )
     load = os.getloadavg()
     print(f"load {load[0]:.1f}/{load[1]:.1f} after")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

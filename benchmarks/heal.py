@@ -3,6 +3,8 @@
     .venv/bin/python -m benchmarks.heal                    # 2x2x2, 4x2, 8x1: 20 kills each
     .venv/bin/python -m benchmarks.heal --shapes 4x4 --kills 5   # 16 ranks
     .venv/bin/python -m benchmarks.heal --against torchft  # side by side with torchft 0.2.0
+    .venv/bin/python -m benchmarks.heal --backend nccl     # on a GPU host (benchmarks.heal_nccl)
+    .venv/bin/python -m benchmarks.heal --grow             # grow back (benchmarks.grow)
 
 The command (:func:`main`) runs :mod:`benchmarks.heal_random`: the launcher
 SIGKILLs a random rank from outside at a random moment, inside a collective or
@@ -14,7 +16,8 @@ it (``detect``), raised (``abort``), agreed, formed its new groups
 
 Other modes are modules of their own, each with a ``main(args) -> int``, that
 :func:`mode` picks from the arguments (``--against torchft``:
-:mod:`benchmarks.heal_torchft`); the modules import this one never, so nothing
+:mod:`benchmarks.heal_torchft`; ``--backend nccl``: :mod:`benchmarks.heal_nccl`;
+``--grow``: :mod:`benchmarks.grow`); the modules import this one never, so nothing
 imports in a circle. The pieces they share are in :mod:`benchmarks.heal_common`.
 
 The world the watch's tests run (``tests/world/test_watch.py``: ``heal.launch``,
@@ -74,6 +77,8 @@ def mode(args: argparse.Namespace) -> str | None:
         return "benchmarks.heal_torchft"
     if args.backend == "nccl":
         return "benchmarks.heal_nccl"
+    if args.grow:
+        return "benchmarks.grow"
     return None
 
 
@@ -92,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
     parser.add_argument(
         "--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: on a GPU host"
+    )
+    parser.add_argument(
+        "--grow", action="store_true", help="grow back: kill, restart, rejoin (benchmarks.grow)"
     )
     parser.add_argument("--bound", action="store_true", help="nccl: WORLD bound to the device")
     parser.add_argument(
