@@ -31,7 +31,6 @@ import importlib
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks import heal_random
-from benchmarks.heal_common import PHASES, load, reference
+from benchmarks.heal_common import PHASES, load, reference, summary
 from benchmarks.heal_plan import (
     NAMES,
     SHAPE,
@@ -108,16 +107,6 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _summary(rows: list[list[float]]) -> str:
-    totals = [row[-1] for row in rows]
-    medians = [statistics.median(row[i] for row in rows) for i in range(len(PHASES))]
-    return (
-        f"median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
-        f"{len(rows)} kills (detect {medians[0]:.3f}, abort {medians[1]:.3f}, agree "
-        f"{medians[2]:.3f}, re-form {medians[3]:.3f}, first step {medians[4]:.3f})"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     other = mode(args)
@@ -175,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         every += rows
         print(
-            f"{shape}: {_summary(rows)}; killed inside a collective {mid} of {len(rows)}; {load()}",
+            f"{shape}: {summary(rows)}; killed inside a collective {mid} of {len(rows)}; {load()}",
             flush=True,
         )
     wall = time.monotonic() - started
@@ -189,14 +178,14 @@ def main(argv: list[str] | None = None) -> int:
                     "load_before": load_before,
                     "load_after": load(),
                     "kills": record,
-                    "summary": "heal: " + _summary(every),
+                    "summary": "heal: " + summary(every),
                 },
                 indent=1,
             )
             + "\n"
         )
     print(f"wall {wall:.0f} s; {load_before} before, {load()} after", flush=True)
-    print(f"heal: {_summary(every)}")
+    print(f"heal: {summary(every)}")
     return 0
 
 

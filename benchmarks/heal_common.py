@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -114,3 +115,14 @@ def load() -> str:
     """The machine's load average, 1 and 5 minutes (``load 3.2/2.9``): beside every figure."""
     one, five, _ = os.getloadavg()
     return f"load {one:.1f}/{five:.1f}"
+
+
+def summary(rows: list[list[float]]) -> str:
+    """The heal line over ``rows`` (one list of :data:`PHASES` seconds per kill)."""
+    totals = [row[-1] for row in rows]
+    medians = [statistics.median(row[i] for row in rows) for i in range(len(PHASES))]
+    return (
+        f"median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
+        f"{len(rows)} kills (detect {medians[0]:.3f}, abort {medians[1]:.3f}, agree "
+        f"{medians[2]:.3f}, re-form {medians[3]:.3f}, first step {medians[4]:.3f})"
+    )

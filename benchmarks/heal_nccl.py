@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import sys
 import time
 import traceback
@@ -40,12 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.heal_common import PHASES, load, rank_reports, summary
 from scopedmesh import MeshClosedError, ProcessGroupMesh, reform
 from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.mesh.watch import LivenessWatch
 from scopedmesh.testing.launcher import world_context
 
-PHASES = ("detect", "abort", "agree", "re-form", "first step")
 NUMEL = 1 << 20  # 4 MiB of float32 per step
 # What every rank of a GPU world needs in its environment before torch makes an NCCL group.
 RANK_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
@@ -201,9 +200,7 @@ def launch(plan: dict[str, Any], rng: random.Random, timeout: float = 300.0) -> 
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-        reports = {
-            int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")
-        }
+        reports = rank_reports(outdir)
     return {"victim": victim, "killed_at": killed_at, "delay": delay, "reports": reports}
 
 
@@ -227,21 +224,6 @@ def phases(kill: dict[str, Any]) -> list[float]:
     events = [r["events"][0] for rank, r in kill["reports"].items() if rank != kill["victim"]]
     keys = ("learned", "raised", "agreed", "reformed", "first_step")
     return [max(e[k] for e in events) - kill["killed_at"] for k in keys]
-
-
-def _load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load {one:.1f}/{five:.1f}"
-
-
-def _summary(rows: list[list[float]]) -> str:
-    totals = [row[-1] for row in rows]
-    medians = [statistics.median(row[i] for row in rows) for i in range(len(PHASES))]
-    return (
-        f"median {statistics.median(totals):.2f} s, max {max(totals):.2f} s over "
-        f"{len(rows)} kills (detect {medians[0]:.3f}, abort {medians[1]:.3f}, agree "
-        f"{medians[2]:.3f}, re-form {medians[3]:.3f}, first step {medians[4]:.3f})"
-    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -282,7 +264,7 @@ def _report(args: argparse.Namespace, plan: dict[str, Any], where: str) -> int:
     rng = random.Random(args.seed)
     print(
         f"{world}x1 (dp), {where}, {args.kills} kills, mesh timeout 60 s, torch "
-        f"{torch.__version__}, {_load()}",
+        f"{torch.__version__}, {load()}",
         flush=True,
     )
     print(f"{'kill':>4} {'rank':>4} " + " ".join(f"{p:>10}" for p in PHASES), flush=True)
@@ -294,12 +276,12 @@ def _report(args: argparse.Namespace, plan: dict[str, Any], where: str) -> int:
         rows.append(row)
         record.append({"victim": kill["victim"], "delay": kill["delay"], "phases": row})
         print(f"{number + 1:>4} {kill['victim']:>4} " + " ".join(f"{t:>10.3f}" for t in row))
-    print(f"{world}x1: {_summary(rows)}; {_load()}", flush=True)
+    print(f"{world}x1: {summary(rows)}; {load()}", flush=True)
     if args.out:
         args.out.write_text(
             json.dumps({"torch": torch.__version__, "where": where, "kills": record})
         )
-    print(f"heal: {_summary(rows)}")
+    print(f"heal: {summary(rows)}")
     return 0
 
 
