@@ -35,12 +35,12 @@ def check_mesh(results: list[dict[str, Any]], kept_handle_fails: bool = True) ->
 @pytest.mark.parametrize("bound", [False, True], ids=["unbound", "device_id"])
 def test_nccl_mesh_groups_close_and_recreate(bound: bool) -> None:
     n = world_size()
-    check_mesh(run_world(workers.mesh_world, n, args=("nccl", bound), backend="nccl", timeout=600))
+    check_mesh(run_world(workers.mesh_world, n, args=("nccl", bound), backend="nccl", timeout=180))
 
 
 def test_nccl_fsdp2_and_tp_train_as_with_init_device_mesh() -> None:
     for f in run_world(
-        workers.interop_world, world_size(), args=("nccl",), backend="nccl", timeout=600
+        workers.interop_world, world_size(), args=("nccl",), backend="nccl", timeout=180
     ):
         assert f["full_ok"] is True
         assert f["ours"] == pytest.approx(f["torchs"], rel=1e-12)
@@ -49,7 +49,7 @@ def test_nccl_fsdp2_and_tp_train_as_with_init_device_mesh() -> None:
 def test_nccl_heal_survivors_reform_and_train() -> None:
     n = world_size()
     results = run_world(
-        workers.heal_world, n, args=("nccl",), backend="nccl", timeout=600, allow_exit=[n - 1]
+        workers.heal_world, n, args=("nccl",), backend="nccl", timeout=180, allow_exit=[n - 1]
     )
     for rank, f in enumerate(results):
         if rank == n - 1:
@@ -64,7 +64,7 @@ def test_nccl_heal_survivors_reform_and_train() -> None:
 
 def test_nccl_node_aware_mesh() -> None:
     for rank, f in enumerate(
-        run_world(workers.nodes_world, world_size(), args=("nccl",), backend="nccl", timeout=600)
+        run_world(workers.nodes_world, world_size(), args=("nccl",), backend="nccl", timeout=180)
     ):
         assert rank in f["tp_ranks"] and len(f["tp_ranks"]) == 2
         assert f["tp_sum"] == sum(f["tp_ranks"])
