@@ -1,4 +1,4 @@
-"""What the heal benchmarks share: the model, the phases, a forked rank's report, the load.
+"""What the heal benchmarks share: the model, the phases, the ranks' processes and reports, the load.
 
 :mod:`benchmarks.heal_plan` (the watch's tests' world), :mod:`benchmarks.heal_random`
 (a SIGKILL from outside) and :mod:`benchmarks.heal_torchft` (torchft side by side)
@@ -17,15 +17,21 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from scopedmesh.testing.launcher import world_context
 
 IN, HID, OUT, BATCH, LR = 8, 8, 4, 8, 0.05
 # Seconds from the kill to each, for the latest survivor that trains on.
@@ -104,6 +110,70 @@ def child(
         return fn(rank, world, outdir, plan)
 
     report_and_exit(outdir, rank, run)
+
+
+class Ranks:
+    """A world's rank processes, started together under one deadline; on leaving the
+    block whatever still runs is killed and reaped, so no run leaves a process behind.
+
+    ``args[r]`` are rank ``r``'s arguments to ``target``; ``start_method`` as
+    :func:`~scopedmesh.testing.launcher.world_context` takes it ("spawn" where a rank
+    may touch CUDA).
+
+    >>> with Ranks(time.sleep, [(0.0,), (0.0,)], timeout=30, start_method="spawn") as ranks:
+    ...     ranks.join()
+    >>> ranks.exitcodes
+    {0: 0, 1: 0}
+    """
+
+    def __init__(
+        self,
+        target: Callable[..., object],
+        args: Sequence[tuple[Any, ...]],
+        timeout: float,
+        start_method: str = "forkserver",
+    ) -> None:
+        ctx = world_context(start_method)
+        self.procs: list[BaseProcess] = [ctx.Process(target=target, args=a) for a in args]
+        self.timeout = timeout
+        self.deadline = float("inf")
+
+    def __enter__(self) -> Ranks:
+        for p in self.procs:
+            p.start()
+        self.deadline = time.monotonic() + self.timeout
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def left(self) -> float:
+        """Seconds left before the deadline (0 once it passed)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    def all_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL rank ``rank``, as a launcher does."""
+        os.kill(self.procs[rank].pid or 0, signal.SIGKILL)
+
+    def join(self) -> None:
+        """Wait for every rank to end, until the deadline."""
+        for p in self.procs:
+            p.join(self.left())
+
+    @property
+    def exitcodes(self) -> dict[int, int | None]:
+        return {r: p.exitcode for r, p in enumerate(self.procs)}
 
 
 def rank_reports(outdir: str | Path) -> dict[int, Any]:

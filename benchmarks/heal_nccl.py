@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
 import time
 import traceback
@@ -39,11 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.heal_common import PHASES, load, rank_reports, summary
+from benchmarks.heal_common import PHASES, Ranks, load, rank_reports, summary
 from scopedmesh import MeshClosedError, ProcessGroupMesh, reform
 from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.mesh.watch import LivenessWatch
-from scopedmesh.testing.launcher import world_context
 
 NUMEL = 1 << 20  # 4 MiB of float32 per step
 # What every rank of a GPU world needs in its environment before torch makes an NCCL group.
@@ -176,30 +174,18 @@ def launch(plan: dict[str, Any], rng: random.Random, timeout: float = 300.0) -> 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     plan = {**plan, "port": store.port}
     with TemporaryDirectory() as outdir:
-        ctx = world_context("spawn")  # CUDA: never fork a process that may have touched it
-        procs = [
-            ctx.Process(target=_child, args=(r, world, store.port, outdir, plan))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
+        args = [(r, world, store.port, outdir, plan) for r in range(world)]
+        # CUDA: never fork a process that may have touched it.
+        with Ranks(_child, args, timeout, start_method="spawn") as ranks:
             while _steps_done(outdir, range(world)) < plan["warm"]:
-                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                if not ranks.left() or not ranks.all_alive():
                     raise RuntimeError(f"the world did not warm up ({plan['warm']} steps)")
                 time.sleep(0.01)
             delay = rng.uniform(0.0, plan["window"])
             time.sleep(delay)
             killed_at = time.time()
-            os.kill(procs[victim].pid or 0, signal.SIGKILL)
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+            ranks.kill(victim)
+            ranks.join()
         reports = rank_reports(outdir)
     return {"victim": victim, "killed_at": killed_at, "delay": delay, "reports": reports}
 

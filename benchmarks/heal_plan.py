@@ -31,6 +31,7 @@ from benchmarks.heal_common import (
     HID,
     LR,
     PHASES,
+    Ranks,
     batch,
     child,
     initial_weights,
@@ -40,7 +41,6 @@ from benchmarks.heal_common import (
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
 from scopedmesh.c10d.store import read
 from scopedmesh.mesh.watch import ROOT, Agreement, LivenessWatch, key_names
-from scopedmesh.testing.launcher import world_context
 
 SHAPE = (2, 2, 2)
 NAMES = ("dp", "pp", "tp")
@@ -259,26 +259,13 @@ def launch(plan: dict[str, Any], world: int = 8, timeout: float = 300.0) -> dict
     """Run :func:`rank_main` on ``world`` forked ranks; the reports, exit codes, store keys left."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with TemporaryDirectory() as outdir:
-        ctx = world_context()
-        procs = [
-            ctx.Process(target=child, args=(rank_main, r, world, store.port, outdir, plan))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+        args = [(rank_main, r, world, store.port, outdir, plan) for r in range(world)]
+        with Ranks(child, args, timeout) as ranks:
+            ranks.join()
         reports = rank_reports(outdir)
     return {
         "reports": reports,
-        "exitcodes": {r: p.exitcode for r, p in enumerate(procs)},
+        "exitcodes": ranks.exitcodes,
         "watch_keys": watch_keys(store, range(world)),
     }
 

@@ -21,6 +21,7 @@ Axes of size 1 have no collective.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -42,6 +43,7 @@ from benchmarks.heal_common import (
     IN,
     LR,
     PHASES,
+    Ranks,
     batch,
     child,
     initial_weights,
@@ -50,7 +52,6 @@ from benchmarks.heal_common import (
 from benchmarks.heal_common import reference as small_reference
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
 from scopedmesh.mesh.watch import LivenessWatch
-from scopedmesh.testing.launcher import world_context
 
 BUCKET = 4 * 1024 * 1024 // 8  # float64 elements in the 4 MiB gradient bucket
 SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
@@ -333,15 +334,6 @@ class Kill:
     marks: dict[str, float]  # the launcher's clock: started, warm, killed, ended
 
 
-def reap(procs: Sequence[Any], status: Status) -> None:
-    """Kill and join whatever of the world still runs, then close the status file."""
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    status.close()
-
-
 def step_time(
     status: Status, ranks: int, warm_steps: int, deadline: float, procs: Sequence[Any]
 ) -> tuple[float | None, list[int]]:
@@ -374,18 +366,11 @@ def launch(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with TemporaryDirectory() as outdir:
         status = Status(Path(outdir, "status"), world, create=True)
-        ctx = world_context()
-        procs = [
-            ctx.Process(target=child, args=(rank_main, r, world, store.port, outdir, plan))
-            for r in range(world)
-        ]
+        args = [(rank_main, r, world, store.port, outdir, plan) for r in range(world)]
         marks = {"started": time.monotonic()}
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
         killed_at, where, at_step, delay = 0.0, "never", -1, 0.0
-        try:
-            per_step, steps = step_time(status, world, warm_steps, deadline, procs)
+        with contextlib.closing(status), Ranks(child, args, timeout) as ranks:
+            per_step, steps = step_time(status, world, warm_steps, ranks.deadline, ranks.procs)
             if per_step is None:
                 raise RuntimeError(f"the world did not warm up (steps {steps})")
             marks["warm"] = time.monotonic()
@@ -393,13 +378,10 @@ def launch(
             time.sleep(delay)
             at_step, where, _ = status.get(victim)
             killed_at = time.time()
-            os.kill(procs[victim].pid or 0, signal.SIGKILL)
+            ranks.kill(victim)
             marks["killed"] = time.monotonic()
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
+            ranks.join()
             marks["ended"] = time.monotonic()
-        finally:
-            reap(procs, status)
         reports = rank_reports(outdir)
     return Kill(
         victim,
@@ -408,7 +390,7 @@ def launch(
         at_step,
         delay,
         reports,
-        {r: p.exitcode for r, p in enumerate(procs)},
+        ranks.exitcodes,
         {k: v - marks["started"] for k, v in marks.items()},
     )
 

@@ -27,11 +27,10 @@ never imports it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import os
 import random
-import signal
 import statistics
 import time
 from dataclasses import dataclass
@@ -43,9 +42,8 @@ from typing import Any
 import torch
 
 from benchmarks import heal_random
-from benchmarks.heal_common import load, rank_reports, report_and_exit
-from benchmarks.heal_random import Status, apply, gradients, initial, reap, step_time
-from scopedmesh.testing.launcher import world_context
+from benchmarks.heal_common import Ranks, load, rank_reports, report_and_exit
+from benchmarks.heal_random import Status, apply, gradients, initial, step_time
 
 REPLICAS = 4
 
@@ -217,14 +215,11 @@ def launch(
     try:
         with TemporaryDirectory() as outdir:
             status = Status(Path(outdir, "status"), REPLICAS, create=True)
-            ctx = world_context()
-            procs = [ctx.Process(target=_child, args=(i, outdir, plan)) for i in range(REPLICAS)]
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + run_timeout + 30
-            warm_deadline = time.monotonic() + warm_timeout
+            args = [(i, outdir, plan) for i in range(REPLICAS)]
             killed_at, where = 0.0, "never"
-            try:
+            with contextlib.closing(status), Ranks(_child, args, run_timeout + 30) as ranks:
+                procs = ranks.procs
+                warm_deadline = time.monotonic() + warm_timeout
                 per_step, steps = step_time(status, REPLICAS, warm_steps, warm_deadline, procs)
                 if per_step is None:
                     raise NotWarm(
@@ -234,21 +229,19 @@ def launch(
                 time.sleep(rng.uniform(0.0, window_steps * per_step))
                 _, where, _ = status.get(victim)
                 killed_at = time.time()
-                os.kill(procs[victim].pid or 0, signal.SIGKILL)
+                ranks.kill(victim)
                 Path(outdir, "killed").write_text(str(victim))
                 survivors = [i for i in range(REPLICAS) if i != victim]
-                while time.monotonic() < deadline:
+                while ranks.left():
                     if all(Path(outdir, f"done{i}").exists() for i in survivors):
                         break
                     if any(procs[i].exitcode is not None for i in survivors):
                         break  # a survivor failed: its report says why
                     time.sleep(0.01)
-            finally:
-                reap(procs, status)
             reports = rank_reports(outdir)
     finally:
         lighthouse.shutdown()
-    return Killed(victim, killed_at, where, reports, {r: p.exitcode for r, p in enumerate(procs)})
+    return Killed(victim, killed_at, where, reports, ranks.exitcodes)
 
 
 def heal_time(killed: Killed) -> tuple[float, str]:

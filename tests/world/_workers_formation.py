@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.heal_common import Ranks
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
 from scopedmesh.mesh.watch import LivenessWatch
-from scopedmesh.testing.launcher import world_context
 
 BUCKET = 1024 * 1024 // 8  # float64 elements of the dp all-reduce: a collective in flight
 
@@ -166,34 +165,21 @@ def launch(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     times: list[float] = []
     with TemporaryDirectory() as outdir:
-        ctx = world_context()
-        procs = [
-            ctx.Process(target=_child, args=(trainer, r, world, store.port, outdir, plan))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
+        args = [(trainer, r, world, store.port, outdir, plan) for r in range(world)]
+        with Ranks(_child, args, timeout) as ranks:
             for when, victim, low, high in kills:
-                _wait_for(outdir, world, when, victim, deadline, procs)
+                _wait_for(outdir, world, when, victim, ranks.deadline, ranks.procs)
                 time.sleep(rng.uniform(low, high))
-                os.kill(procs[victim].pid or 0, signal.SIGKILL)
+                ranks.kill(victim)
                 times.append(time.time())
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+            ranks.join()
         reports = {
             int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")
         }
     return {
         "reports": reports,
         "kills": times,
-        "exitcodes": {r: p.exitcode for r, p in enumerate(procs)},
+        "exitcodes": ranks.exitcodes,
     }
 
 

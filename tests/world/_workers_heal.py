@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from _workers_common import rss_kib
 
+from benchmarks.heal_common import Ranks
 from scopedmesh.c10d import closable as _closable
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.mesh import ProcessGroupMesh
 from scopedmesh.mesh.heal import LostRankError, agree_on_lost, reform
-from scopedmesh.testing.launcher import world_context
 
 NAMES = ("dp", "tp")
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1
@@ -73,26 +73,13 @@ def launch(
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     keys_before, rss_before = store.num_keys(), rss_kib()
-    ctx = world_context()  # ranks forked from the warm server, as run_world's
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world, store.port, args, outdir), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    rank_args = [(fn, r, world, store.port, args, outdir) for r in range(world)]
+    with Ranks(_child, rank_args, timeout) as ranks:  # forked from the warm server, as run_world's
+        ranks.join()
     reports = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")}
     return {
         "reports": reports,
-        "exitcodes": {r: p.exitcode for r, p in enumerate(procs)},
+        "exitcodes": ranks.exitcodes,
         "store_keys": (keys_before, store.num_keys()),
         "store_rss_kib": (rss_before, rss_kib()),
     }
