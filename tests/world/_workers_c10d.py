@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 import time
 import warnings
 from datetime import timedelta
@@ -29,7 +30,10 @@ from scopedmesh.mesh import ProcessGroupMesh
 
 SKEW = 0.5  # seconds the second rank of a pair sleeps before it destroys (the recipe)
 PUBLIC_TIMEOUT = 2.0  # the public recipe's group timeout: it fails, so keep it short
-PUBLIC_CYCLES = 6
+# A re-creation that reads the peer's stale address still survives when the new listening
+# ports fall one way (about 1 time in 3: see _public_recipe), so on torch <= 2.13 the recipe
+# cycles until the hazard strikes; 15 re-creations all surviving is about 1 in 14 million.
+PUBLIC_CYCLES = 16
 MESH_TIMEOUT = 30.0
 ORDER_TIMEOUT = 6.0  # s: the deadlock is said in about 1 s; a loaded machine needs room
 DEAD_RANK = 3
@@ -71,17 +75,32 @@ def public_hazards_and_pins(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _public_recipe(rank: int) -> dict[str, Any]:
-    """Hazard 1 with public new_group: create [0, 1] -> all_reduce -> destroy, skewed."""
+    """Hazard 1 with public new_group: create [0, 1] -> all_reduce -> destroy, skewed.
+
+    Gloo's rendezvous (gloo/transport/tcp/context.cc, createAndConnectAllPairs) sets this
+    rank's listening address under ``str(rank)`` in the group's store prefix, then reads
+    every peer's key. Rank 0 re-creates while rank 1 sleeps in ``_skew``, so it reads rank
+    1's stale key. Which side dials is decided by comparing listening ports (tcp/device.cc,
+    Device::isInitiator: ``sa->sin_port - sb->sin_port``, in network byte order). Rank 0
+    dials the stale address when its new port orders above rank 1's old one; otherwise it
+    waits, and both wait unless rank 1's new port orders above rank 0's. ``ports`` is the
+    port this rank published each cycle; ``stale`` (rank 0) the port in rank 1's key just
+    before rank 0 re-created: the test checks that order against the outcome.
+    """
     out: dict[str, Any] = {"failed": False, "cycle": None, "stage": None, "error": None}
-    sums, names = [], []
+    sums, names, ports, stale = [], [], [], []
+    store = c10d._get_default_store()
     for cycle in range(PUBLIC_CYCLES):
         group = None
         stage = "new_group"
+        if rank == 0 and names:
+            stale.append(_rendezvous_port(store, names[-1], 1))
         try:
             group = dist.new_group(
                 [0, 1], timeout=timedelta(seconds=PUBLIC_TIMEOUT), use_local_synchronization=True
             )
             names.append(group.group_name)
+            ports.append(_rendezvous_port(store, group.group_name, rank))
             stage = "all_reduce"
             sums.append(total(group))
             _skew(rank)
@@ -91,12 +110,32 @@ def _public_recipe(rank: int) -> dict[str, Any]:
             out.update(
                 failed=True, cycle=cycle, stage=stage, error=f"{type(error).__name__}: {error}"
             )
+            if len(ports) < cycle + 1 and names:  # new_group failed: its key is set all the same
+                ports.append(_rendezvous_port(store, names[-1], rank))
             if group is not None and _c10d.is_live(group):
                 dist.destroy_process_group(group)
             break
-    out["sums"] = sums
-    out["names"] = names
+    out.update(sums=sums, names=names, ports=ports, stale=stale)
     return out
+
+
+def _rendezvous_port(store: dist.Store, name: str, rank: int) -> int | None:
+    """The listening port ``rank`` published in group ``name``'s gloo rendezvous, or None.
+
+    The key is torch 2.13's layout: PrefixStore(f"{name}/") -> PrefixStore("cpu/") -> gloo's
+    PrefixStore("0") for device 0; its value is gloo tcp's ``Rank``: hostname size and
+    bytes, address size, then the address, a sockaddr (family, then port in network order).
+    """
+    key = f"{name}//cpu//0/{rank}"
+    try:
+        if not store.check([key]):
+            return None
+        raw = store.get(key)
+        (hostname_size,) = struct.unpack_from("=Q", raw, 0)
+        (port,) = struct.unpack_from(">H", raw, 8 + hostname_size + 8 + 2)
+    except (RuntimeError, struct.error):
+        return None
+    return int(port)
 
 
 def _duplicates_public(rank: int) -> dict[str, Any]:
