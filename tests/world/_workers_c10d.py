@@ -49,6 +49,24 @@ def _skew(rank: int) -> None:
         time.sleep(SKEW)
 
 
+def _lead(rank: int, store: dist.Store, recipe: str, cycle: int) -> None:
+    """The first rank of a pair says it is about to re-create (incarnation ``cycle``)."""
+    if rank % 2 == 0:
+        store.set(f"test-c10d/{recipe}/{rank}/{cycle}", "go")
+
+
+def _follow(rank: int, store: dist.Store, recipe: str, cycle: int, cycles: int) -> None:
+    """The second rank keeps incarnation ``cycle`` until its peer starts the next, then SKEW more.
+
+    So the first rank's re-creation always meets the second rank's old incarnation and its
+    rendezvous keys, however the machine schedules the two.
+    """
+    if rank % 2 and cycle + 1 < cycles:
+        key = f"test-c10d/{recipe}/{rank - 1}/{cycle + 1}"
+        store.wait([key], timedelta(seconds=MESH_TIMEOUT))
+    _skew(rank)
+
+
 def _generation(group: dist.ProcessGroup) -> int:
     match = NAME.fullmatch(group.group_name)
     if match is None:
@@ -79,9 +97,10 @@ def _public_recipe(rank: int) -> dict[str, Any]:
 
     Gloo's rendezvous (gloo/transport/tcp/context.cc, createAndConnectAllPairs) sets this
     rank's listening address under ``str(rank)`` in the group's store prefix, then reads
-    every peer's key. Rank 0 re-creates while rank 1 sleeps in ``_skew``, so it reads rank
-    1's stale key. Which side dials is decided by comparing listening ports (tcp/device.cc,
-    Device::isInitiator: ``sa->sin_port - sb->sin_port``, in network byte order). Rank 0
+    every peer's key. Rank 1 keeps its incarnation until rank 0 starts re-creating
+    (``_follow``), so rank 0 reads rank 1's stale key. Which side dials is decided by
+    comparing listening ports (tcp/device.cc, Device::isInitiator: ``sa->sin_port -
+    sb->sin_port``, in network byte order). Rank 0
     dials the stale address when its new port orders above rank 1's old one; otherwise it
     waits, and both wait unless rank 1's new port orders above rank 0's. ``ports`` is the
     port this rank published each cycle; ``stale`` (rank 0) the port in rank 1's key just
@@ -95,6 +114,7 @@ def _public_recipe(rank: int) -> dict[str, Any]:
         stage = "new_group"
         if rank == 0 and names:
             stale.append(_rendezvous_port(store, names[-1], 1))
+            _lead(rank, store, "public", cycle)
         try:
             group = dist.new_group(
                 [0, 1], timeout=timedelta(seconds=PUBLIC_TIMEOUT), use_local_synchronization=True
@@ -103,13 +123,15 @@ def _public_recipe(rank: int) -> dict[str, Any]:
             ports.append(_rendezvous_port(store, group.group_name, rank))
             stage = "all_reduce"
             sums.append(total(group))
-            _skew(rank)
+            stage = "skew"
+            _follow(rank, store, "public", cycle, PUBLIC_CYCLES)
             stage = "destroy"
             dist.destroy_process_group(group)
         except Exception as error:
             out.update(
                 failed=True, cycle=cycle, stage=stage, error=f"{type(error).__name__}: {error}"
             )
+            _lead(rank, store, "public", cycle + 1)  # rank 1 need not wait for it
             if len(ports) < cycle + 1 and names:  # new_group failed: its key is set all the same
                 ports.append(_rendezvous_port(store, names[-1], rank))
             if group is not None and _c10d.is_live(group):
@@ -330,27 +352,30 @@ def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     # (a) open a mesh over the pair, use its group, close: ten times.
+    store = c10d._get_default_store()
     sums, generations = [], []
-    for _ in range(10):
+    for cycle in range(10):
+        _lead(rank, store, "open-close", cycle)
         with ProcessGroupMesh(2, ranks=pair, timeout=MESH_TIMEOUT) as mesh:
             group = mesh.get_group_along_axis(0)
             assert group is not None
             sums.append(total(group))
             generations.append(_generation(group))
-            _skew(rank)
+            _follow(rank, store, "open-close", cycle, 10)
     out["open_close"] = {"sums": sums, "generations": generations}
 
     # (b) a sub-mesh re-created inside one parent: its group is made and destroyed each time.
     sums, generations = [], []
     with ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=MESH_TIMEOUT) as parent:
         dp = parent.get_group_along_axis("dp")
-        for _ in range(6):
+        for cycle in range(6):
+            _lead(rank, store, "submesh", cycle)
             with parent.submesh("tp") as stage:
                 group = stage.get_group_along_axis("tp")
                 assert group is not None
                 sums.append(total(group))
                 generations.append(_generation(group))
-                _skew(rank)
+                _follow(rank, store, "submesh", cycle, 6)
         dp_alive = _c10d.is_live(dp)  # type: ignore[arg-type]
         dp_sum = total(dp)  # type: ignore[arg-type]
     out["submesh"] = {"sums": sums, "generations": generations, "dp": (dp_alive, dp_sum)}
