@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 import time
 import warnings
 from datetime import timedelta
@@ -29,7 +30,10 @@ from scopedmesh.mesh import ProcessGroupMesh
 
 SKEW = 0.5  # seconds the second rank of a pair sleeps before it destroys (the recipe)
 PUBLIC_TIMEOUT = 2.0  # the public recipe's group timeout: it fails, so keep it short
-PUBLIC_CYCLES = 6
+# A re-creation that reads the peer's stale address still survives when the new listening
+# ports fall one way (about 1 time in 3: see _public_recipe), so on torch <= 2.13 the recipe
+# cycles until the hazard strikes; 15 re-creations all surviving is about 1 in 14 million.
+PUBLIC_CYCLES = 16
 MESH_TIMEOUT = 30.0
 ORDER_TIMEOUT = 6.0  # s: the deadlock is said in about 1 s; a loaded machine needs room
 DEAD_RANK = 3
@@ -43,6 +47,24 @@ def _pair(rank: int) -> tuple[int, int]:
 def _skew(rank: int) -> None:
     if rank % 2:
         time.sleep(SKEW)
+
+
+def _lead(rank: int, store: dist.Store, recipe: str, cycle: int) -> None:
+    """The first rank of a pair says it is about to re-create (incarnation ``cycle``)."""
+    if rank % 2 == 0:
+        store.set(f"test-c10d/{recipe}/{rank}/{cycle}", "go")
+
+
+def _follow(rank: int, store: dist.Store, recipe: str, cycle: int, cycles: int) -> None:
+    """The second rank keeps incarnation ``cycle`` until its peer starts the next, then SKEW more.
+
+    So the first rank's re-creation always meets the second rank's old incarnation and its
+    rendezvous keys, however the machine schedules the two.
+    """
+    if rank % 2 and cycle + 1 < cycles:
+        key = f"test-c10d/{recipe}/{rank - 1}/{cycle + 1}"
+        store.wait([key], timedelta(seconds=MESH_TIMEOUT))
+    _skew(rank)
 
 
 def _generation(group: dist.ProcessGroup) -> int:
@@ -71,32 +93,71 @@ def public_hazards_and_pins(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _public_recipe(rank: int) -> dict[str, Any]:
-    """Hazard 1 with public new_group: create [0, 1] -> all_reduce -> destroy, skewed."""
+    """Hazard 1 with public new_group: create [0, 1] -> all_reduce -> destroy, skewed.
+
+    Gloo's rendezvous (gloo/transport/tcp/context.cc, createAndConnectAllPairs) sets this
+    rank's listening address under ``str(rank)`` in the group's store prefix, then reads
+    every peer's key. Rank 1 keeps its incarnation until rank 0 starts re-creating
+    (``_follow``), so rank 0 reads rank 1's stale key. Which side dials is decided by
+    comparing listening ports (tcp/device.cc, Device::isInitiator: ``sa->sin_port -
+    sb->sin_port``, in network byte order). Rank 0
+    dials the stale address when its new port orders above rank 1's old one; otherwise it
+    waits, and both wait unless rank 1's new port orders above rank 0's. ``ports`` is the
+    port this rank published each cycle; ``stale`` (rank 0) the port in rank 1's key just
+    before rank 0 re-created: the test checks that order against the outcome.
+    """
     out: dict[str, Any] = {"failed": False, "cycle": None, "stage": None, "error": None}
-    sums, names = [], []
+    sums, names, ports, stale = [], [], [], []
+    store = c10d._get_default_store()
     for cycle in range(PUBLIC_CYCLES):
         group = None
         stage = "new_group"
+        if rank == 0 and names:
+            stale.append(_rendezvous_port(store, names[-1], 1))
+            _lead(rank, store, "public", cycle)
         try:
             group = dist.new_group(
                 [0, 1], timeout=timedelta(seconds=PUBLIC_TIMEOUT), use_local_synchronization=True
             )
             names.append(group.group_name)
+            ports.append(_rendezvous_port(store, group.group_name, rank))
             stage = "all_reduce"
             sums.append(total(group))
-            _skew(rank)
+            stage = "skew"
+            _follow(rank, store, "public", cycle, PUBLIC_CYCLES)
             stage = "destroy"
             dist.destroy_process_group(group)
         except Exception as error:
             out.update(
                 failed=True, cycle=cycle, stage=stage, error=f"{type(error).__name__}: {error}"
             )
+            _lead(rank, store, "public", cycle + 1)  # rank 1 need not wait for it
+            if len(ports) < cycle + 1 and names:  # new_group failed: its key is set all the same
+                ports.append(_rendezvous_port(store, names[-1], rank))
             if group is not None and _c10d.is_live(group):
                 dist.destroy_process_group(group)
             break
-    out["sums"] = sums
-    out["names"] = names
+    out.update(sums=sums, names=names, ports=ports, stale=stale)
     return out
+
+
+def _rendezvous_port(store: dist.Store, name: str, rank: int) -> int | None:
+    """The listening port ``rank`` published in group ``name``'s gloo rendezvous, or None.
+
+    The key is torch 2.13's layout: PrefixStore(f"{name}/") -> PrefixStore("cpu/") -> gloo's
+    PrefixStore("0") for device 0; its value is gloo tcp's ``Rank``: hostname size and
+    bytes, address size, then the address, a sockaddr (family, then port in network order).
+    """
+    key = f"{name}//cpu//0/{rank}"
+    try:
+        if not store.check([key]):
+            return None
+        raw = store.get(key)
+        (hostname_size,) = struct.unpack_from("=Q", raw, 0)
+        (port,) = struct.unpack_from(">H", raw, 8 + hostname_size + 8 + 2)
+    except (RuntimeError, struct.error):
+        return None
+    return int(port)
 
 
 def _duplicates_public(rank: int) -> dict[str, Any]:
@@ -291,27 +352,30 @@ def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     # (a) open a mesh over the pair, use its group, close: ten times.
+    store = c10d._get_default_store()
     sums, generations = [], []
-    for _ in range(10):
+    for cycle in range(10):
+        _lead(rank, store, "open-close", cycle)
         with ProcessGroupMesh(2, ranks=pair, timeout=MESH_TIMEOUT) as mesh:
             group = mesh.get_group_along_axis(0)
             assert group is not None
             sums.append(total(group))
             generations.append(_generation(group))
-            _skew(rank)
+            _follow(rank, store, "open-close", cycle, 10)
     out["open_close"] = {"sums": sums, "generations": generations}
 
     # (b) a sub-mesh re-created inside one parent: its group is made and destroyed each time.
     sums, generations = [], []
     with ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=MESH_TIMEOUT) as parent:
         dp = parent.get_group_along_axis("dp")
-        for _ in range(6):
+        for cycle in range(6):
+            _lead(rank, store, "submesh", cycle)
             with parent.submesh("tp") as stage:
                 group = stage.get_group_along_axis("tp")
                 assert group is not None
                 sums.append(total(group))
                 generations.append(_generation(group))
-                _skew(rank)
+                _follow(rank, store, "submesh", cycle, 6)
         dp_alive = _c10d.is_live(dp)  # type: ignore[arg-type]
         dp_sum = total(dp)  # type: ignore[arg-type]
     out["submesh"] = {"sums": sums, "generations": generations, "dp": (dp_alive, dp_sum)}

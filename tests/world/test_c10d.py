@@ -9,6 +9,7 @@ rank 3. A few pins of the private path run in this process, without a world.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import _workers_c10d as workers
@@ -77,6 +78,34 @@ def test_public_new_group_recreation_fails_when_skewed(world: list[dict[str, Any
     # Members agree on every name they both made (a rank may fail one stage before its peer).
     common = min(len(recipe["names"]) for recipe in recipes)
     assert recipes[0]["names"][:common] == recipes[1]["names"][:common]
+    if PUBLIC_NAMES_REUSED:
+        _check_stale_rendezvous(*recipes)
+
+
+def _dial_order(port: int) -> int:
+    """The order gloo compares listening ports in: ``sin_port`` read raw, network byte order."""
+    return int.from_bytes(port.to_bytes(2, "big"), sys.byteorder)
+
+
+def _check_stale_rendezvous(first: dict[str, Any], second: dict[str, Any]) -> None:
+    """Each re-creation met rank 1's stale address; it survived iff the ports fell the one way.
+
+    Gloo decides who dials by comparing listening ports. Rank 0, re-creating first, compares
+    its new port with the one in rank 1's stale key: above it, it dials the old incarnation;
+    below it, it waits, and rank 1 (reading rank 0's fresh key) dials only if its own new port
+    is above rank 0's, else both wait. So a re-creation survives iff rank 0's new port is
+    below both of rank 1's, and the recipe runs until one does not.
+    """
+    failed_at = min(first["cycle"], second["cycle"])
+    for cycle in range(1, failed_at + 1):
+        new_0, old_1 = first["ports"][cycle], second["ports"][cycle - 1]
+        new_1 = second["ports"][cycle] if cycle < len(second["ports"]) else None
+        evidence = f"cycle {cycle}: ports {first['ports']}, {second['ports']}, {first['stale']}"
+        assert None not in (new_0, old_1, new_1), evidence  # torch 2.13's rendezvous keys
+        assert first["stale"][cycle - 1] == old_1, evidence  # rank 0 met the stale key
+        order_0 = _dial_order(new_0)
+        harmless = order_0 < _dial_order(old_1) and order_0 < _dial_order(new_1)
+        assert harmless is (cycle < failed_at), evidence  # survivals, then the failure
 
 
 def test_mesh_open_close_recreation_survives_the_same_skew(
