@@ -75,6 +75,7 @@ def worker(steps: int, pace: float) -> None:
     state = {"model": model, "optim": optim, "progress": progress}
     replicas = int(os.environ["REPLICAS"])
     with Replicas(store, replica=replica, replicas=replicas, state=state) as grow:
+        # `steps` steps, then on until every replica is back (a bound: 20 times as many)
         while progress.step < steps or (grow.size < replicas and progress.step < 20 * steps):
             decision = grow.boundary()
             optim.zero_grad()
@@ -103,7 +104,9 @@ class Launch:
     """What the launch saw: each agent's lines, the kill, the agents' exit codes."""
 
     lines: list[tuple[int, str]] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)  # when each line came (time.monotonic)
     killed: tuple[int, int, int] | None = None  # (replica, coordinate, pid)
+    killed_at: float | None = None
     returncodes: list[int | None] = field(default_factory=list)
     timed_out: bool = False
 
@@ -121,6 +124,7 @@ def _read(agent: int, proc: subprocess.Popen[str], launch: Launch, lock: threadi
     for line in proc.stdout:
         with lock:
             launch.lines.append((agent, line.rstrip()))
+            launch.seen.append(time.monotonic())
 
 
 def _pid_of(launch: Launch, replica: int, lock: threading.Lock) -> tuple[int, int] | None:
@@ -132,12 +136,16 @@ def _pid_of(launch: Launch, replica: int, lock: threading.Lock) -> tuple[int, in
     return None
 
 
-def launch(replicas: int = 3, nproc: int = 2, steps: int = 40, timeout: float = 400.0) -> Launch:
+def launch(replicas: int = 3, nproc: int = 2, steps: int = 100, timeout: float = 400.0) -> Launch:
     """Start the job, kill a worker of replica 1 once it trains, wait for the end."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, JOB_STORE=f"127.0.0.1:{store.port}", REPLICAS=str(replicas))
+    # A fresh store for each start of a replica's workers: in the agent's shared store
+    # (torchrun's default) a restarted worker can read its predecessor's gloo address and
+    # fail init_process_group ("Connection refused"), costing a restart (pytorch#135712).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(nproc), "--max-restarts", "3", "--monitor-interval", "0.1"]
     command += [__file__, "--worker", "--steps", str(steps)]
@@ -156,7 +164,7 @@ def launch(replicas: int = 3, nproc: int = 2, steps: int = 40, timeout: float = 
             if store.check(["scopedmesh-replicas/latest"]) and (found := _pid_of(result, 1, lock)):
                 time.sleep(random.uniform(0.5, 2.0))  # a random moment of its training
                 os.kill(found[1], signal.SIGKILL)
-                result.killed = (1, *found)
+                result.killed, result.killed_at = (1, *found), time.monotonic()
             time.sleep(0.05)
         for proc in procs:
             proc.wait(max(1.0, deadline - time.monotonic()))
@@ -174,7 +182,7 @@ def launch(replicas: int = 3, nproc: int = 2, steps: int = 40, timeout: float = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", action="store_true", help="run as a torchrun worker")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--pace", type=float, default=0.05, help="seconds per step")
     parser.add_argument("--replicas", type=int, default=3)
     args = parser.parse_args()
