@@ -6,7 +6,9 @@ restarts, rejoins the running job and catches up from a live one.
 This script is the launcher: it hosts the job's store (a ``TCPStore`` that
 outlives every replica; the replicas decide their membership in it) and starts
 one ``torchrun --standalone --nproc-per-node 2 --max-restarts 3`` agent per
-replica, each running this file with ``--worker``. Each agent's workers are one
+replica, each running this file with ``--worker``, and with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each start of a replica's workers gets
+a store of its own (docs/healing.md says why). Each agent's workers are one
 replica (their own WORLD); ``Replicas`` forms the cross-replica groups outside
 it. Once the job has trained a little, a worker of replica 1 is SIGKILLed: its
 agent stops the replica and starts it again; the other replicas go on without
