@@ -62,7 +62,7 @@ def worker(steps: int, pace: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from scopedmesh.mesh.replicas import Replicas
+    from scopedmesh import Replicas
 
     dist.init_process_group("gloo")  # this replica's own WORLD (its agent's rendezvous)
     replica, coordinate = int(os.environ["REPLICA"]), dist.get_rank()
