@@ -64,7 +64,8 @@ def worker(steps: int, pace: float) -> None:
 
     from scopedmesh import Replicas
 
-    dist.init_process_group("gloo")  # this replica's own WORLD (its agent's rendezvous)
+    # this replica's own WORLD (its agent's rendezvous); gloo's default wait is 30 minutes
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     replica, coordinate = int(os.environ["REPLICA"]), dist.get_rank()
     host, port = os.environ["JOB_STORE"].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
