@@ -146,8 +146,8 @@ def launch(replicas: int = 3, nproc: int = 2, steps: int = 100, timeout: float =
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, JOB_STORE=f"127.0.0.1:{store.port}", REPLICAS=str(replicas))
     # A fresh store for each start of a replica's workers: in the agent's shared store
-    # (torchrun's default) a restarted worker can read its predecessor's gloo address and
-    # fail init_process_group ("Connection refused"), costing a restart (pytorch#135712).
+    # (torchrun's default) a restarted worker can read its predecessor's gloo address:
+    # init_process_group fails ("Connection refused") or hangs (pytorch#135712).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(nproc), "--max-restarts", "3", "--monitor-interval", "0.1"]
