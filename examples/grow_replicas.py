@@ -6,7 +6,9 @@ restarts, rejoins the running job and catches up from a live one.
 This script is the launcher: it hosts the job's store (a ``TCPStore`` that
 outlives every replica; the replicas decide their membership in it) and starts
 one ``torchrun --standalone --nproc-per-node 2 --max-restarts 3`` agent per
-replica, each running this file with ``--worker``. Each agent's workers are one
+replica, each running this file with ``--worker``, and with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each start of a replica's workers gets
+a store of its own (docs/healing.md says why). Each agent's workers are one
 replica (their own WORLD); ``Replicas`` forms the cross-replica groups outside
 it. Once the job has trained a little, a worker of replica 1 is SIGKILLed: its
 agent stops the replica and starts it again; the other replicas go on without
@@ -60,9 +62,10 @@ def worker(steps: int, pace: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from scopedmesh.mesh.replicas import Replicas
+    from scopedmesh import Replicas
 
-    dist.init_process_group("gloo")  # this replica's own WORLD (its agent's rendezvous)
+    # this replica's own WORLD (its agent's rendezvous); gloo's default wait is 30 minutes
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     replica, coordinate = int(os.environ["REPLICA"]), dist.get_rank()
     host, port = os.environ["JOB_STORE"].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
@@ -75,6 +78,7 @@ def worker(steps: int, pace: float) -> None:
     state = {"model": model, "optim": optim, "progress": progress}
     replicas = int(os.environ["REPLICAS"])
     with Replicas(store, replica=replica, replicas=replicas, state=state) as grow:
+        # `steps` steps, then on until every replica is back (a bound: 20 times as many)
         while progress.step < steps or (grow.size < replicas and progress.step < 20 * steps):
             decision = grow.boundary()
             optim.zero_grad()
@@ -103,7 +107,9 @@ class Launch:
     """What the launch saw: each agent's lines, the kill, the agents' exit codes."""
 
     lines: list[tuple[int, str]] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)  # when each line came (time.monotonic)
     killed: tuple[int, int, int] | None = None  # (replica, coordinate, pid)
+    killed_at: float | None = None
     returncodes: list[int | None] = field(default_factory=list)
     timed_out: bool = False
 
@@ -121,6 +127,7 @@ def _read(agent: int, proc: subprocess.Popen[str], launch: Launch, lock: threadi
     for line in proc.stdout:
         with lock:
             launch.lines.append((agent, line.rstrip()))
+            launch.seen.append(time.monotonic())
 
 
 def _pid_of(launch: Launch, replica: int, lock: threading.Lock) -> tuple[int, int] | None:
@@ -132,12 +139,16 @@ def _pid_of(launch: Launch, replica: int, lock: threading.Lock) -> tuple[int, in
     return None
 
 
-def launch(replicas: int = 3, nproc: int = 2, steps: int = 40, timeout: float = 400.0) -> Launch:
+def launch(replicas: int = 3, nproc: int = 2, steps: int = 100, timeout: float = 400.0) -> Launch:
     """Start the job, kill a worker of replica 1 once it trains, wait for the end."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, JOB_STORE=f"127.0.0.1:{store.port}", REPLICAS=str(replicas))
+    # A fresh store for each start of a replica's workers: in the agent's shared store
+    # (torchrun's default) a restarted worker can read its predecessor's gloo address:
+    # init_process_group fails ("Connection refused") or hangs (pytorch#135712).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(nproc), "--max-restarts", "3", "--monitor-interval", "0.1"]
     command += [__file__, "--worker", "--steps", str(steps)]
@@ -156,7 +167,7 @@ def launch(replicas: int = 3, nproc: int = 2, steps: int = 40, timeout: float = 
             if store.check(["scopedmesh-replicas/latest"]) and (found := _pid_of(result, 1, lock)):
                 time.sleep(random.uniform(0.5, 2.0))  # a random moment of its training
                 os.kill(found[1], signal.SIGKILL)
-                result.killed = (1, *found)
+                result.killed, result.killed_at = (1, *found), time.monotonic()
             time.sleep(0.05)
         for proc in procs:
             proc.wait(max(1.0, deadline - time.monotonic()))
@@ -174,7 +185,7 @@ def launch(replicas: int = 3, nproc: int = 2, steps: int = 40, timeout: float = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", action="store_true", help="run as a torchrun worker")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--pace", type=float, default=0.05, help="seconds per step")
     parser.add_argument("--replicas", type=int, default=3)
     args = parser.parse_args()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from scopedmesh.mesh.heal import agree_on_lost, reform
     from scopedmesh.mesh.liveness import LivenessWatch
     from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
+    from scopedmesh.mesh.replicas import Replicas
 
 __all__ = [
     "AxisError",
@@ -40,6 +41,7 @@ __all__ = [
     "MeshClosedError",
     "MeshLayout",
     "ProcessGroupMesh",
+    "Replicas",
     "__version__",
     "agree_on_lost",
     "node_aware_mesh",
@@ -56,6 +58,7 @@ _LAZY = MappingProxyType(
     {
         "ProcessGroupMesh": "scopedmesh.mesh",
         "LivenessWatch": "scopedmesh.mesh.liveness",
+        "Replicas": "scopedmesh.mesh.replicas",
         "agree_on_lost": "scopedmesh.mesh.heal",
         "reform": "scopedmesh.mesh.heal",
         "node_aware_mesh": "scopedmesh.mesh.nodes",

@@ -18,6 +18,7 @@ def test_all_is_pinned() -> None:
         "MeshClosedError",
         "MeshLayout",
         "ProcessGroupMesh",
+        "Replicas",
         "__version__",
         "agree_on_lost",
         "node_aware_mesh",
@@ -57,6 +58,12 @@ def test_process_group_mesh_loads_torch_on_use() -> None:
     modules = _modules_after("from scopedmesh import ProcessGroupMesh")
     assert "torch.distributed" in modules
     assert "scopedmesh.mesh" in modules
+
+
+def test_replicas_loads_on_use() -> None:
+    modules = _modules_after("from scopedmesh import Replicas")
+    assert "scopedmesh.mesh.replicas" in modules
+    assert "scopedmesh.mesh.replicas" not in _modules_after("import scopedmesh")
 
 
 def test_layers_import_downward_only() -> None:
