@@ -132,10 +132,14 @@ class Handle(dist.Work):
         """Drop gloo's work (and with it this handle's hold on the group's connections).
 
         ``because`` says why, for a collective that had not completed successfully.
+        The verdict is recorded before the work is dropped: a caller on another
+        thread that finds no work (``is_completed``, then ``wait``) must find how
+        it ended, never an undecided handle that ``wait`` would report as done.
         """
-        work, self._work = self._work, None
+        work = self._work
         if work is not None:
-            self._verdict.decide(work, because)
+            self._verdict.decide(work, because)  # idempotent: a second let-go keeps the first
+        self._work = None
         del work  # the last reference may be this frame's: gloo's work goes here
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:  # torch's default
