@@ -353,8 +353,7 @@ class ClosableGroup(dist.ProcessGroup):
             handles, self._handles = list(self._given), []
             inner, held = self._inner, self._held
             self._inner = self._held = None
-        for handle in handles:
-            handle.let_go(self._shut_down())
+            self._let_go(handles)
         del inner, held  # the last references: gloo closes its sockets here
 
     def interrupt(self, because: str) -> bool:
@@ -378,8 +377,7 @@ class ClosableGroup(dist.ProcessGroup):
                 self._held = inner
                 return False
             handles, self._handles = list(self._given), []
-        for handle in handles:
-            handle.let_go(self._shut_down())
+            self._let_go(handles)
         del inner  # nothing in flight: the last reference, gloo closes its sockets here
         return True
 
@@ -402,10 +400,17 @@ class ClosableGroup(dist.ProcessGroup):
                 return False
             self._held = None
             handles, self._handles = list(self._given), []
-        for handle in handles:
-            handle.let_go(self._shut_down())
+            self._let_go(handles)
         del held  # the last reference: gloo closes its sockets here
         return True
+
+    def _let_go(self, handles: list[Handle]) -> None:
+        """Let go of ``handles`` under the lock, which the caller holds: a ``settle`` or
+        ``interrupt`` on another thread that finds the group closed returns only once every
+        handle says how its collective ended. Nothing here waits (gloo's work has ended,
+        or is not asked to: ``_ending``), and no other lock is taken but each verdict's."""
+        for handle in handles:
+            handle.let_go(self._shut_down())
 
     def _shut_down(self) -> str:
         """Why a collective cut short by the shutdown did not complete."""

@@ -181,3 +181,39 @@ def test_a_handle_read_while_its_group_settles_never_reports_the_cut_collective_
     assert "Connection closed by peer" in during[1], during  # gloo's own error, as it was
     assert during[2] == after[1] == "returned False", (during, after)
     assert group.released
+
+
+def test_a_group_found_settled_has_decided_every_handle() -> None:
+    """The same settle seen from a second thread: ``tests/world/_workers_abort.kept_handles``
+    calls ``settle()`` until it returns True, then reads its handles, while the watch's
+    thread settles the same group. A True from ``settle()`` must mean every handle says
+    how its collective ended: it used to come at once from the second thread (the group
+    was no longer held) while the first was still letting go, so ``wait()`` returned True."""
+    group = _one_member_group()
+    work = _FailedWork()
+    group._enter()
+    handle = group._leave(work)
+    assert not group.interrupt("when the test interrupted it")
+    work.fail()
+    first = threading.Thread(target=group.settle, name="watch's settle", daemon=True)
+    first.start()
+    if not work.entered.wait(timeout=30):
+        raise TimeoutError("the first settle never reached gloo's work within 30 s")
+    seen: list[str] = []
+    done = threading.Event()
+
+    def second() -> None:
+        seen.append(_said(group.settle))
+        seen.append(_said(handle.wait))
+        done.set()
+
+    threading.Thread(target=second, name="caller's settle", daemon=True).start()
+    done.wait(timeout=2.0)  # old code: done at once; now: held until the first settle ends
+    work.go.set()
+    first.join(timeout=30)
+    if not done.wait(timeout=30):
+        raise TimeoutError("the second settle did not end within 30 s of the first")
+    print("the second thread saw:", seen)
+    assert seen[0] == "returned True", seen
+    assert seen[1].startswith("MeshClosedError: this collective did not complete"), seen
+    assert "when the test interrupted it" in seen[1], seen
