@@ -132,10 +132,14 @@ class Handle(dist.Work):
         """Drop gloo's work (and with it this handle's hold on the group's connections).
 
         ``because`` says why, for a collective that had not completed successfully.
+        The verdict is recorded before the work is dropped: a caller on another
+        thread that finds no work (``is_completed``, then ``wait``) must find how
+        it ended, never an undecided handle that ``wait`` would report as done.
         """
-        work, self._work = self._work, None
+        work = self._work
         if work is not None:
-            self._verdict.decide(work, because)
+            self._verdict.decide(work, because)  # idempotent: a second let-go keeps the first
+        self._work = None
         del work  # the last reference may be this frame's: gloo's work goes here
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:  # torch's default
@@ -349,8 +353,7 @@ class ClosableGroup(dist.ProcessGroup):
             handles, self._handles = list(self._given), []
             inner, held = self._inner, self._held
             self._inner = self._held = None
-        for handle in handles:
-            handle.let_go(self._shut_down())
+            self._let_go(handles)
         del inner, held  # the last references: gloo closes its sockets here
 
     def interrupt(self, because: str) -> bool:
@@ -374,8 +377,7 @@ class ClosableGroup(dist.ProcessGroup):
                 self._held = inner
                 return False
             handles, self._handles = list(self._given), []
-        for handle in handles:
-            handle.let_go(self._shut_down())
+            self._let_go(handles)
         del inner  # nothing in flight: the last reference, gloo closes its sockets here
         return True
 
@@ -398,10 +400,17 @@ class ClosableGroup(dist.ProcessGroup):
                 return False
             self._held = None
             handles, self._handles = list(self._given), []
-        for handle in handles:
-            handle.let_go(self._shut_down())
+            self._let_go(handles)
         del held  # the last reference: gloo closes its sockets here
         return True
+
+    def _let_go(self, handles: list[Handle]) -> None:
+        """Let go of ``handles`` under the lock, which the caller holds: a ``settle`` or
+        ``interrupt`` on another thread that finds the group closed returns only once every
+        handle says how its collective ended. Nothing here waits (gloo's work has ended,
+        or is not asked to: ``_ending``), and no other lock is taken but each verdict's."""
+        for handle in handles:
+            handle.let_go(self._shut_down())
 
     def _shut_down(self) -> str:
         """Why a collective cut short by the shutdown did not complete."""

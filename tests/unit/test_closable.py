@@ -7,7 +7,9 @@ kept-handle figures in a real world are in ``tests/world/test_heal.py``.
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -111,3 +113,107 @@ def test_the_stand_in_raises_rather_than_doing_nothing() -> None:
         pytest.skip("this torch has no stand-in backend")
     with pytest.raises(RuntimeError):
         stand_in.allreduce([torch.ones(1)]).wait()
+
+
+class _FailedWork(dist.Work):
+    """A double of gloo's work for a collective a closing peer cut short: in flight until
+    :meth:`fail`, then completed with gloo's error. On any thread but its maker's, ``wait``
+    first stops at a gate the test opens (``entered`` set, then waiting for ``go``), so the
+    test holds a group's settle in the middle of letting go of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maker = threading.get_ident()
+        self.failed = threading.Event()
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def fail(self) -> None:
+        self.failed.set()
+
+    def is_completed(self) -> bool:
+        return self.failed.is_set()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if threading.get_ident() != self.maker:
+            self.entered.set()
+            if not self.go.wait(timeout=30):
+                raise TimeoutError("the test did not open the gate within 30 s")
+        if not self.failed.is_set():
+            raise TimeoutError("wait on a double whose collective never ended")
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+
+def _said(call: Any) -> str:
+    try:
+        return f"returned {call()!r}"
+    except Exception as error:  # the answer is the point
+        return f"{type(error).__name__}: {error}"
+
+
+def test_a_handle_read_while_its_group_settles_never_reports_the_cut_collective_done() -> None:
+    """Issue 32, items 1 and 9: a collective in flight when its group was interrupted, then
+    failed (the peer's side closed), is settled by the watch's thread. A caller polling its
+    handle meanwhile (``is_completed`` then ``wait``, as ``_workers_abort.torch_made_groups``
+    does) must see the failure at every moment of the settle; it used to see ``wait()``
+    return True and ``is_success()`` True while the settle had dropped gloo's work but not
+    yet recorded how it ended (the flake of test_abort's torch-made-groups test)."""
+    group = _one_member_group()
+    work = _FailedWork()
+    group._enter()  # what a forwarded collective does around gloo's call
+    handle = group._leave(work)
+    assert not group.interrupt("when the test interrupted it")  # in flight: held
+    work.fail()  # the peer closed its side: gloo's collective ends with an error
+    settle = threading.Thread(target=group.settle, name="settle", daemon=True)
+    settle.start()
+    if not work.entered.wait(timeout=30):
+        raise TimeoutError("the settle never reached gloo's work within 30 s")
+    during = [_said(handle.is_completed), _said(handle.wait), _said(handle.is_success)]
+    work.go.set()
+    settle.join(timeout=30)
+    if settle.is_alive():
+        raise TimeoutError("the settle did not end within 30 s of opening the gate")
+    after = [_said(handle.wait), _said(handle.is_success)]
+    print("during the settle:", during, "after it:", after)
+    assert during[0] == "returned True", during  # it has ended: a poller goes on to wait
+    for said in (during[1], after[0]):  # raises, never "returned True"
+        assert said.startswith(("RuntimeError", "MeshClosedError")), (during, after)
+    assert "Connection closed by peer" in during[1], during  # gloo's own error, as it was
+    assert during[2] == after[1] == "returned False", (during, after)
+    assert group.released
+
+
+def test_a_group_found_settled_has_decided_every_handle() -> None:
+    """The same settle seen from a second thread: ``tests/world/_workers_abort.kept_handles``
+    calls ``settle()`` until it returns True, then reads its handles, while the watch's
+    thread settles the same group. A True from ``settle()`` must mean every handle says
+    how its collective ended: it used to come at once from the second thread (the group
+    was no longer held) while the first was still letting go, so ``wait()`` returned True."""
+    group = _one_member_group()
+    work = _FailedWork()
+    group._enter()
+    handle = group._leave(work)
+    assert not group.interrupt("when the test interrupted it")
+    work.fail()
+    first = threading.Thread(target=group.settle, name="watch's settle", daemon=True)
+    first.start()
+    if not work.entered.wait(timeout=30):
+        raise TimeoutError("the first settle never reached gloo's work within 30 s")
+    seen: list[str] = []
+    done = threading.Event()
+
+    def second() -> None:
+        seen.append(_said(group.settle))
+        seen.append(_said(handle.wait))
+        done.set()
+
+    threading.Thread(target=second, name="caller's settle", daemon=True).start()
+    done.wait(timeout=2.0)  # old code: done at once; now: held until the first settle ends
+    work.go.set()
+    first.join(timeout=30)
+    if not done.wait(timeout=30):
+        raise TimeoutError("the second settle did not end within 30 s of the first")
+    print("the second thread saw:", seen)
+    assert seen[0] == "returned True", seen
+    assert seen[1].startswith("MeshClosedError: this collective did not complete"), seen
+    assert "when the test interrupted it" in seen[1], seen

@@ -90,13 +90,12 @@ def test_a_kept_handle_of_a_collective_the_abort_cut_short_never_reports_success
     assert kept["future"] == "returned [[2.0, 2.0]]" and kept["buffer"] == [2.0, 2.0], kept
 
 
-# An at-length form (-m slow), not a lane, until one failure is explained: in a CI run
-# with the lanes beside the README's command (load about 4 on 2 cores), rank 1's
-# all_reduce on its flatten group, which rank 0 never joins, ended with wait() returning
-# True once. It passed every run alone (3 of 3 at load 37, 4 of 4 idle). The default
-# lane's test_torch_made_groups_are_closable_... keeps the mechanism in CI.
+# Under load it once saw rank 1's cut-short all_reduce report done: the watch's settle
+# dropped gloo's work before recording how it ended, and rank 1 polled in between
+# (Handle.let_go; pinned by tests/unit/test_closable.py's
+# test_a_handle_read_while_its_group_settles_never_reports_the_cut_collective_done).
 @needs_interrupt
-@pytest.mark.slow
+@pytest.mark.fault  # a slow lane: .ci/run runs it
 def test_groups_torch_made_and_a_backend_handed_out_are_shut_down_by_the_abort(
     tmp_path: Path,
 ) -> None:
