@@ -1,7 +1,8 @@
 """Workers of test_grow.py: a small replicated training job that grows back, and its
 one-process reference.
 
-Each replica has ``local`` ranks; rank ``c`` of every replica trains its own small
+Each replica has ``local`` ranks (its own WORLD, with a scoped mesh over them, as tp
+would have inside a replica); rank ``c`` of every replica trains its own small
 model ``c`` (a shard), Adam, on data drawn from (replica, c, step). The gradients
 are averaged along the dp group of the epoch; a loss all-reduce over the
 replica's WORLD ties the replica's ranks into every step. The progress (step,
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh.c10d.store import read
+from scopedmesh.mesh import ProcessGroupMesh
 from scopedmesh.mesh.replicas import Replicas
 
 LR = 0.05
@@ -105,7 +107,13 @@ def train(
     state = {"model": model, "optim": optim, "progress": progress}
     first_full: float | None = None
     samples: list[tuple[int, int, int, int]] = []  # epoch, size, open fds, threads at its 1st step
-    with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
+    local = dist.get_world_size()
+    inside_sums: set[float] = set()  # what the replica's own scoped mesh summed, every step
+    with (
+        Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow,
+        ProcessGroupMesh(local, names=("tp",), timeout=60) as inside,  # the replica's WORLD
+    ):
+        tp = inside.get_group_along_axis("tp")
         while True:
             decision = grow.boundary()  # first: a pending heal or admission counts
             # Whole: at full shape, and the last agreed step trained there (the same on all).
@@ -136,8 +144,9 @@ def train(
                     )
                 if steps < 0 and decision.source == replica and coordinate == 0:
                     store.set(STEP, str(progress.step))
-                total = shown.clone()
-                dist.all_reduce(total)  # the replica's ranks meet every step
+                mark = torch.tensor([float(coordinate + 1)])
+                dist.all_reduce(mark, group=tp)  # the replica's ranks meet every step
+                inside_sums.add(float(mark[0]))
             time.sleep(pace)
         keys_left = store.num_keys()
         result = {
@@ -151,6 +160,7 @@ def train(
             "started": started,
             "first_full": first_full,
             "keys_left": keys_left,
+            "inside": {"sums": sorted(inside_sums), "ranks": inside.get_ranks_in_group(tp)},
             "samples": samples,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         }

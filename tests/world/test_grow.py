@@ -161,6 +161,8 @@ def _check_converged(results: dict[tuple[int, int], Any]) -> None:
         assert result["replicas"] == tuple(range(REPLICAS)), (replica, result["replicas"])
         assert result["digest"] == results[(0, coordinate)]["digest"], (replica, coordinate)
         assert result["history"] == results[(0, coordinate)]["history"]
+        # The replica's own scoped mesh (over its WORLD, as tp) summed its ranks every step.
+        assert result["inside"] == {"sums": [LOCAL * (LOCAL + 1) / 2], "ranks": list(range(LOCAL))}
     for coordinate in range(LOCAL):
         history = results[(0, coordinate)]["history"]
         assert [s for s, _, _ in history] == list(range(len(history)))  # no step twice, none lost
