@@ -61,6 +61,7 @@ def rank_main(
 ) -> dict[str, Any]:
     """One rank: train until the launcher's stop step; report agreed steps' end times."""
     started = time.time()
+    torch.set_num_threads(1)  # as benchmarks/grow_torchft.py's replicas: the same workload
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
     weights = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
     progress = Progress()  # no torch.optim: its first step imports torch._dynamo (seconds)
@@ -145,11 +146,15 @@ def run(
 def _figures(event: dict[str, Any], results: dict[Any, Any], replicas: int) -> dict[str, Any]:
     victim, killed = event["victim"], event["killed"]
     survivor = results[(0, 0)]["commits"]
-    # The survivors' first agreed step after the kill: at the reduced shape, or already at
-    # full shape when the restarted replica announced itself before the heal decided.
-    first = next((t, epoch, size) for t, epoch, size in survivor if t > killed)
+    # The survivors' first agreed step in an epoch after the kill's: at the reduced shape,
+    # or already at full shape when the restarted replica announced itself before the heal
+    # decided. (A step the victim had agreed to before it died still commits in the old
+    # epoch, at full shape: it is neither.)
+    before = [epoch for t, epoch, _ in survivor if t <= killed]
+    after = [c for c in survivor if c[0] > killed and c[1] > (before[-1] if before else -1)]
+    first = after[0]
     reduced = first[0] if first[2] < replicas else None
-    regrown = next((t, epoch) for t, epoch, size in survivor if t >= first[0] and size == replicas)
+    regrown = next((t, epoch) for t, epoch, size in after if size == replicas)
     times = [t for t, _, _ in survivor]
     steps = [b - a for a, b in itertools.pairwise(times)]
     admitted = times.index(regrown[0])
