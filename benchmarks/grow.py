@@ -12,13 +12,16 @@ as the torchft comparison does; 0: at once). Per kill it prints:
   the dead replica (n/a: the restarted replica was admitted by the heal itself,
   so no step ran without it);
 - **start -> full**: from the restarted process's start (the launcher's fork)
-  to its first agreed step in the full mesh (in brackets: from the moment its
-  training function began, i.e. without interpreter and import time);
+  to the first agreed step to which every replica contributed (the joiner's
+  catch-up step, where it contributes nothing, does not count; torchft's
+  healing step does not either); in brackets: from the moment its training
+  function began, i.e. without interpreter and import time;
 - **admitted** (when the joiner's report survives): from the restart to the end of
-  its admission (the new epoch formed and its state received);
+  its admission (the new epoch formed; its state arrives during the next step);
 - **stall**: the survivors' step that admitted the joiner, minus their median
   step (both from agreed steps' end times);
-- **transfer**: the bytes the joiner received and how long the broadcast took.
+- **transfer**: the bytes the source sent the joiner, and the time from its
+  snapshot until the last byte left (a broadcast's time after a heal).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def rank_main(
     weights = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
     progress = Progress()  # no torch.optim: its first step imports torch._dynamo (seconds)
     state = {"weights": torch.nn.ParameterList([weights]), "progress": progress}
-    commits: list[tuple[float, int, int]] = []  # (time, epoch, size)
+    commits: list[tuple[float, int, int, int]] = []  # (time, epoch, size, contributors)
     with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
         while True:
             stop = read(store, STOP)
@@ -77,7 +80,7 @@ def rank_main(
             if grow.all_reduce_([grad]):
                 weights.sub_(grad, alpha=0.1)
                 progress.step += 1
-                commits.append((time.time(), decision.epoch, decision.size))
+                commits.append((time.time(), decision.epoch, decision.size, len(grow.contributors)))
                 if decision.source == replica and coordinate == 0:
                     store.set(STEP, str(progress.step))
             time.sleep(pace)
@@ -150,21 +153,24 @@ def _figures(event: dict[str, Any], results: dict[Any, Any], replicas: int) -> d
     # or already at full shape when the restarted replica announced itself before the heal
     # decided. (A step the victim had agreed to before it died still commits in the old
     # epoch, at full shape: it is neither.)
-    before = [epoch for t, epoch, _ in survivor if t <= killed]
+    before = [epoch for t, epoch, _, _ in survivor if t <= killed]
     after = [c for c in survivor if c[0] > killed and c[1] > (before[-1] if before else -1)]
     first = after[0]
     reduced = first[0] if first[2] < replicas else None
-    regrown = next((t, epoch) for t, epoch, size in after if size == replicas)
-    times = [t for t, _, _ in survivor]
+    regrown = next((t, epoch) for t, epoch, size, _ in after if size == replicas)
+    full = next(t for t, _, _, contributors in after if contributors == replicas)
+    times = [t for t, _, _, _ in survivor]
     steps = [b - a for a, b in itertools.pairwise(times)]
     admitted = times.index(regrown[0])
-    # The survivors' first step in the regrown epoch is the joiner's too (one all-reduce).
+    # The survivors' full steps are the joiner's too (one all-reduce).
     joiner = results.get((victim[0], victim[1]), {})
-    first_full = next((t for t, e, _ in joiner.get("commits", []) if e == regrown[1]), None)
+    first_full = next(
+        (t for t, e, _, n in joiner.get("commits", []) if e >= regrown[1] and n == replicas), None
+    )
     sent = [t for t in results[(0, 0)]["transfers"] if t[0] == regrown[1] and t[1] == "sent"]
     return {
         "death_to_reduced": None if reduced is None else reduced - killed,
-        "start_to_full": regrown[0] - event["restarted"],
+        "start_to_full": full - event["restarted"],
         # Only the last incarnation of a replica reports: an earlier joiner's start is gone.
         "fn_to_full": None if first_full is None else first_full - joiner["started"],
         "admitted": next(

@@ -11,6 +11,8 @@ True
 'members=0:a,2:c;source=0;joins=7'
 >>> d.index(2), d.size, d.token(1) is None
 (1, 2, True)
+>>> Decision(5, ((0, "a"), (1, "b2")), 0, 8, fresh=(1,)).text()
+'members=0:a,1:b2;source=0;joins=8;fresh=1'
 """
 
 from __future__ import annotations
@@ -24,12 +26,19 @@ __all__ = ["Decision", "propose"]
 @dataclass(frozen=True)
 class Decision:
     """Epoch ``epoch``: the ``members`` (replica, incarnation token) in replica order, the
-    ``source`` replica whose state every member takes, and the ``joins`` counter it saw."""
+    ``source`` replica whose state every member takes, and the ``joins`` counter it saw.
+
+    ``fresh``: the joiners an admission lets in that catch up in the background
+    (the source sends them its state during the epoch's first step, to which
+    they contribute nothing); empty after a heal, where every member takes the
+    source's state before the first step.
+    """
 
     epoch: int
     members: tuple[tuple[int, str], ...]
     source: int
     joins: int
+    fresh: tuple[int, ...] = ()
 
     @property
     def replicas(self) -> tuple[int, ...]:
@@ -52,7 +61,8 @@ class Decision:
     def text(self) -> str:
         """The store's form of the decision."""
         members = ",".join(f"{r}:{t}" for r, t in self.members)
-        return f"members={members};source={self.source};joins={self.joins}"
+        text = f"members={members};source={self.source};joins={self.joins}"
+        return text + (f";fresh={','.join(map(str, self.fresh))}" if self.fresh else "")
 
     @staticmethod
     def parse(epoch: int, text: str) -> Decision:
@@ -61,7 +71,8 @@ class Decision:
         members = tuple(
             (int(r), t) for r, _, t in (m.partition(":") for m in fields["members"].split(",") if m)
         )
-        return Decision(epoch, members, int(fields["source"]), int(fields["joins"]))
+        fresh = tuple(int(r) for r in fields.get("fresh", "").split(",") if r)
+        return Decision(epoch, members, int(fields["source"]), int(fields["joins"]), fresh)
 
 
 def propose(
@@ -69,16 +80,24 @@ def propose(
     survivors: Mapping[int, str],
     joiners: Mapping[int, str],
     joins: int,
+    *,
+    catch_up: bool = False,
+    behind: Iterable[int] = (),
 ) -> Decision:
     """The next epoch: the ``survivors`` (replica -> token) and the complete ``joiners``.
 
     A joiner replaces a survivor's incarnation of the same replica only when the
     survivor is not counted among the survivors (its old incarnation died). The
-    source is the lowest surviving replica: it holds live state. With no
-    survivor (the job's first epoch) it is the lowest joiner.
+    source is the lowest surviving replica not ``behind`` (a joiner not yet
+    caught up): it holds live state. With no such survivor, the lowest
+    survivor; with no survivor (the job's first epoch), the lowest joiner.
+    ``catch_up`` (an admission, every survivor in step): the admitted joiners
+    are ``fresh``.
 
     >>> propose(5, {0: "a", 2: "c"}, {1: "b2", 2: "c2"}, 9).text()
     'members=0:a,1:b2,2:c;source=0;joins=9'
+    >>> propose(5, {0: "a", 2: "c"}, {1: "b2"}, 9, catch_up=True, behind=[0]).text()
+    'members=0:a,1:b2,2:c;source=2;joins=9;fresh=1'
     >>> propose(0, {}, {0: "a", 1: "b"}, 2).source
     0
     """
@@ -86,8 +105,10 @@ def propose(
     members.update(survivors)
     if not members:
         raise ValueError("propose needs at least one survivor or joiner")
-    source = min(survivors) if survivors else min(members)
-    return Decision(epoch, tuple(sorted(members.items())), source, joins)
+    current = set(survivors) - set(behind)
+    source = min(current or survivors or members)
+    fresh = tuple(sorted(set(members) - set(survivors))) if catch_up and survivors else ()
+    return Decision(epoch, tuple(sorted(members.items())), source, joins, fresh)
 
 
 def complete_joiners(

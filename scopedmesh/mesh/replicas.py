@@ -25,6 +25,14 @@ along dp and one along the replica's own group. So every member sees the same
 verdict at the same step: commit, commit and admit at the next boundary, or
 redo the step in a new epoch (a dp collective failed somewhere).
 
+An admitted joiner catches up in the background: the running replicas step on
+at once, the source sends it a snapshot of its state meanwhile, and the
+joiner's first step counts for nothing (its tensors are zeroed, the average
+is over the others: ``contributors``); it loads the snapshot before that
+step's ``all_reduce_`` returns, so it applies the same update from the same
+state. Its compute in that step is thrown away: a loop may skip it while
+``catching_up`` (the tensors must still have their shapes).
+
 docs/healing.md ("Grow back") gives the protocol, its store traffic and its limits.
 """
 
@@ -32,16 +40,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,29 +57,18 @@ from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.layout.ints import is_int
 from scopedmesh.mesh.membership import Decision, complete_joiners, propose
+from scopedmesh.mesh.state_transfer import (
+    Incoming,
+    Outgoing,
+    Stateful,
+    Transfer,
+    broadcast_state,
+)
 
 __all__ = ["Replicas", "Stateful", "Transfer"]
 
 PROBE_EVERY = 0.1  # seconds between two probes of one slot that has not answered yet
 PROBE_WAIT = 1.0  # seconds a probe's connect may take before it counts as "no answer yet"
-
-
-class Stateful(Protocol):
-    """What a replica registers: torch's ``state_dict`` / ``load_state_dict`` pair."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One catch-up: ``epoch``, ``role`` (``sent`` or ``received``), ``nbytes``, ``seconds``."""
-
-    epoch: int
-    role: str
-    nbytes: int
-    seconds: float
 
 
 def _route_address(target: str) -> str:
@@ -98,18 +93,6 @@ def probe(address: str) -> bool | None:
         return True
     except OSError:
         return None
-
-
-def _serialize(state: Mapping[str, Stateful]) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save({name: obj.state_dict() for name, obj in state.items()}, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-
-
-def _load(state: Mapping[str, Stateful], data: bytearray) -> None:
-    loaded = torch.load(io.BytesIO(data), weights_only=True)
-    for name, obj in state.items():
-        obj.load_state_dict(loaded[name])
 
 
 def _check_args(replica: object, replicas: object, state: object) -> dict[str, Stateful]:
@@ -173,6 +156,11 @@ class Replicas:
         self.transfers: list[Transfer] = []
         self.failure: str | None = None  # the last dp collective that failed here, and why
         self.entered: list[tuple[int, float, tuple[int, ...]]] = []  # epoch, time, replicas
+        self.contributors: tuple[int, ...] = ()  # whose tensors the last agreed step averaged
+        self._steps = 0  # agreed steps in this epoch
+        self._behind: frozenset[int] = frozenset()  # joiners without the source's state yet
+        self._outgoing: Outgoing | None = None  # the source's catch-up of the fresh joiners
+        self._incoming: Incoming | None = None  # this joiner's catch-up
         self._pg: Any = None  # this epoch's dp group along this rank's coordinate
         self._dropping: threading.Thread | None = None  # lets go of the last epoch's group
         self._pending: str | None = "join"
@@ -196,6 +184,12 @@ class Replicas:
         """How many replicas the current epoch holds (0 before the first boundary)."""
         return 0 if self.decision is None else self.decision.size
 
+    @property
+    def catching_up(self) -> bool:
+        """Whether this rank's next ``all_reduce_`` is its catch-up step: its tensors count
+        for nothing, and it loads the source's state before the call returns."""
+        return self._incoming is not None
+
     def boundary(self) -> Decision:
         """Join, admit joiners or re-form without the dead, as the last step decided.
 
@@ -214,7 +208,8 @@ class Replicas:
     def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place along the dp group; True if every replica's step
         succeeded (apply it), False if one failed (the state is re-synced at the next
-        :meth:`boundary`: redo the step)."""
+        :meth:`boundary`: redo the step). The average is over :attr:`contributors`
+        (in an admission's first step, the joiners contribute nothing)."""
         self._check_open()
         if self._pending is not None:
             raise RuntimeError(
@@ -222,7 +217,13 @@ class Replicas:
             )
         decision = self._current()
         self._drain()
-        ok = self._dp(lambda pg: self._average(pg, tensors, decision.size))
+        fresh = decision.fresh if self._steps == 0 else ()
+        contributors = tuple(r for r in decision.replicas if r not in fresh)
+        if self._incoming is not None:
+            for tensor in tensors:
+                tensor.zero_()  # this step's compute ran on the joiner's own state
+        ok = self._dp(lambda pg: self._average(pg, tensors, decision.size, len(contributors)))
+        ok = ok and self._dp(lambda pg: self._finish_catch_up(decision))
         joins = self._store.add(self.keys.joins, 0) if self.coordinate == 0 else 0
         flags = torch.tensor([0 if ok else 1, joins], dtype=torch.int64)
         if ok:
@@ -231,8 +232,12 @@ class Replicas:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         if int(flags[0]):
             self._pg = None  # close this rank's dp connections: peers fail at once
+            self._outgoing = self._incoming = None
             self._pending = "heal"
             return False
+        self._steps += 1
+        self._behind = frozenset()
+        self.contributors = contributors
         if int(flags[1]) > decision.joins:
             self._pending = "admit"
         if self._cleaned < decision.epoch and decision.source == self.replica:
@@ -249,6 +254,7 @@ class Replicas:
             return
         self._closed = True
         self._pg = None
+        self._outgoing = self._incoming = None
         self._finish_drop()
         self._listener.close()
         with contextlib.suppress(Exception):
@@ -316,7 +322,8 @@ class Replicas:
         """The next epoch: every member and every complete joiner (no waiting)."""
         self._drop_in_background()
         joins = self._store.add(self.keys.joins, 0)
-        nxt = propose(current.epoch + 1, dict(current.members), self._joiners(current), joins)
+        joiners = self._joiners(current)
+        nxt = propose(current.epoch + 1, dict(current.members), joiners, joins, catch_up=True)
         return Decision.parse(current.epoch + 1, self._decide(nxt))
 
     def _heal(self, current: Decision) -> Decision:
@@ -340,8 +347,15 @@ class Replicas:
             if not undecided:
                 joins = store.add(keys.joins, 0)
                 alive = {r: t for r, t in current.members if r not in dead}
+                if alive and not set(alive) - self._behind:
+                    raise RuntimeError(
+                        f"replica {self.replica}: every replica holding the job's state died "
+                        f"while replicas {sorted(alive)} caught up from them in epoch "
+                        f"{current.epoch}; restart the job from a checkpoint"
+                    )
                 joiners = self._joiners(current)
-                return Decision.parse(nxt, self._decide(propose(nxt, alive, joiners, joins)))
+                proposal = propose(nxt, alive, joiners, joins, behind=self._behind)
+                return Decision.parse(nxt, self._decide(proposal))
             self._wait_or_fail(
                 deadline,
                 f"replicas {undecided} of epoch {current.epoch} to check in after a failed "
@@ -358,7 +372,8 @@ class Replicas:
                     f"{decision.epoch} ({decision.text()}): its slot was taken or it was "
                     f"found dead; restart the replica to rejoin"
                 )
-            self.decision = decision
+            self.decision, self._steps = decision, 0
+            self._behind |= set(decision.fresh)
             ok = self._form(decision) and self._dp(functools.partial(self._sync, decision=decision))
             flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
@@ -369,13 +384,17 @@ class Replicas:
                 if decision.source == self.replica and self.coordinate == 0:
                     self._store.set(self.keys.latest, str(decision.epoch))
                 return
+            self._outgoing = self._incoming = None
             decision = self._heal(decision)
 
     def _form(self, decision: Decision) -> bool:
         """Wait until this coordinate's slots of ``decision`` are ready (False if one is
-        dead), then form the epoch's dp group outside WORLD."""
+        dead), then form the epoch's dp group outside WORLD. The source of a catch-up
+        takes its snapshot while it waits."""
         store, keys, epoch = self._store, self.keys, decision.epoch
         store.set(keys.ready(epoch, self.replica, self.coordinate), "1")
+        if decision.fresh and decision.source == self.replica:
+            self._outgoing = Outgoing(self._state)
         deadline = time.monotonic() + self._timeout
         waiting = [r for r in decision.replicas if r != self.replica]
         while waiting:
@@ -405,24 +424,32 @@ class Replicas:
         return True
 
     def _sync(self, pg: Any, decision: Decision) -> None:
-        """The source replica's state to every member along this coordinate (a broadcast)."""
+        """The source replica's state along this coordinate: a broadcast to every member,
+        or, at an admission, sends to the fresh joiners alone that complete meanwhile."""
         if decision.size == 1:
             return
-        start, options = time.perf_counter(), dist.BroadcastOptions()
-        options.rootRank = decision.index(decision.source)
-        sending = decision.source == self.replica
-        data = _serialize(self._state) if sending else torch.empty(0, dtype=torch.uint8)
-        length = torch.tensor([data.numel()], dtype=torch.int64)
-        pg.broadcast([length], options).wait()
-        received = bytearray(int(length[0]) if not sending else 0)
-        if not sending:
-            data = torch.frombuffer(received, dtype=torch.uint8)
-        pg.broadcast([data], options).wait()
-        if not sending:
-            _load(self._state, received)
-        role = "sent" if sending else "received"
-        seconds = time.perf_counter() - start
-        self.transfers.append(Transfer(decision.epoch, role, data.numel(), seconds))
+        source = decision.index(decision.source)
+        if not decision.fresh:
+            start = time.perf_counter()
+            role, nbytes = broadcast_state(pg, self._state, source, decision.index(self.replica))
+            seconds = time.perf_counter() - start
+            self.transfers.append(Transfer(decision.epoch, role, nbytes, seconds))
+        elif self._outgoing is not None:
+            self._outgoing.post(pg, [decision.index(r) for r in decision.fresh])
+        elif self.replica in decision.fresh:
+            self._incoming = Incoming()
+            self._incoming.start(pg, source)
+
+    def _finish_catch_up(self, decision: Decision) -> None:
+        """The end of a catch-up, in the epoch's first step: the source's sends have left,
+        or the joiner has loaded them."""
+        if self._outgoing is not None:
+            nbytes, seconds = self._outgoing.data.numel(), self._outgoing.finish()
+            self.transfers.append(Transfer(decision.epoch, "sent", nbytes, seconds))
+        if self._incoming is not None:
+            nbytes, seconds = len(self._incoming.received), self._incoming.finish(self._state)
+            self.transfers.append(Transfer(decision.epoch, "received", nbytes, seconds))
+        self._outgoing = self._incoming = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -469,16 +496,17 @@ class Replicas:
         return True
 
     @staticmethod
-    def _average(pg: Any, tensors: Sequence[torch.Tensor], size: int) -> None:
-        """One all-reduce per dtype, one at a time: a failed one leaves no queued work
-        behind (gloo's group waits for its queue before it closes its connections)."""
+    def _average(pg: Any, tensors: Sequence[torch.Tensor], size: int, contributors: int) -> None:
+        """The sum over the group's ``size`` members divided by its ``contributors``: one
+        all-reduce per dtype, one at a time (a failed one leaves no queued work behind:
+        gloo's group waits for its queue before it closes its connections)."""
         if size == 1:
             return
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             group = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1) for t in group])
             pg.allreduce([flat]).wait()
-            flat.div_(size)
+            flat.div_(contributors)
             offset = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -4,7 +4,8 @@ one-process reference.
 Each replica has ``local`` ranks (its own WORLD, with a scoped mesh over them, as tp
 would have inside a replica); rank ``c`` of every replica trains its own small
 model ``c`` (a shard), Adam, on data drawn from (replica, c, step). The gradients
-are averaged along the dp group of the epoch; a loss all-reduce over the
+are averaged along the dp group of the epoch over the step's contributors (an
+admitted joiner's first step contributes nothing); a loss all-reduce over the
 replica's WORLD ties the replica's ranks into every step. The progress (step,
 the history of (step, replicas, loss), RNG state) is registered state, so a
 joiner receives it with the model and the optimizer.
@@ -109,6 +110,7 @@ def train(
     samples: list[tuple[int, int, int, int]] = []  # epoch, size, open fds, threads at its 1st step
     local = dist.get_world_size()
     inside_sums: set[float] = set()  # what the replica's own scoped mesh summed, every step
+    skipped = 0  # steps this rank skipped while catching up
     with (
         Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow,
         ProcessGroupMesh(local, names=("tp",), timeout=60) as inside,  # the replica's WORLD
@@ -125,16 +127,22 @@ def train(
                 f"r{replica}c{coordinate} step {progress.step} epoch {decision.epoch} {decision.replicas}"
             )
             optim.zero_grad()
-            loss = loss_of(model, replica, coordinate, progress.step)
-            loss.backward()
-            shown = loss.detach().reshape(1).clone()
+            if grow.catching_up and coordinate == 0:  # may skip what the catch-up discards
+                skipped += 1
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+                shown = torch.zeros(1)
+            else:  # coordinate 1 computes on its stale state: its tensors are zeroed
+                loss = loss_of(model, replica, coordinate, progress.step)
+                loss.backward()
+                shown = loss.detach().reshape(1).clone()
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             ok = grow.all_reduce_([*grads, shown])
             if not ok:
                 _debug(f"r{replica}c{coordinate} failed: {grow.failure}")
             if ok:
                 optim.step()
-                progress.history.append((progress.step, decision.replicas, float(shown[0])))
+                progress.history.append((progress.step, grow.contributors, float(shown[0])))
                 progress.step += 1
                 if first_full is None and decision.size == replicas:
                     first_full = time.time()
@@ -162,6 +170,7 @@ def train(
             "keys_left": keys_left,
             "inside": {"sums": sorted(inside_sums), "ranks": inside.get_ranks_in_group(tp)},
             "samples": samples,
+            "skipped": skipped,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         }
     return result
@@ -170,7 +179,7 @@ def train(
 def reference(
     history: list[tuple[int, tuple[int, ...], float]], coordinate: int
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Replay ``history``'s membership schedule in one process: losses and final weights."""
+    """Replay ``history``'s schedule of contributors in one process: losses and final weights."""
     model = model_of(coordinate)
     optim = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []

@@ -43,21 +43,34 @@ tokens = st.text(alphabet="0123456789abcdef", min_size=1, max_size=14)
     st.dictionaries(st.integers(0, 63), tokens, max_size=8),
     st.integers(0, 10**6),
     st.integers(0, 10**6),
+    st.booleans(),
+    st.frozensets(st.integers(0, 63), max_size=8),
 )
 def test_a_proposal_keeps_survivors_adds_joiners_and_round_trips(
-    survivors: dict[int, str], joiners: dict[int, str], epoch: int, joins: int
+    survivors: dict[int, str],
+    joiners: dict[int, str],
+    epoch: int,
+    joins: int,
+    catch_up: bool,
+    behind: frozenset[int],
 ) -> None:
     if not survivors and not joiners:
         with pytest.raises(ValueError, match="at least one"):
-            propose(epoch, survivors, joiners, joins)
+            propose(epoch, survivors, joiners, joins, catch_up=catch_up, behind=behind)
         return
-    decision = propose(epoch, survivors, joiners, joins)
+    decision = propose(epoch, survivors, joiners, joins, catch_up=catch_up, behind=behind)
     assert Decision.parse(epoch, decision.text()) == decision
     assert set(decision.replicas) == set(survivors) | set(joiners)
     assert list(decision.replicas) == sorted(decision.replicas)
     for replica, token in survivors.items():  # a live incarnation is never replaced
         assert decision.token(replica) == token
-    assert decision.source == min(survivors or joiners)
+    # The source holds live state: a survivor that is not behind, where one is.
+    in_step = [r for r in survivors if r not in behind]
+    assert decision.source == min(in_step or survivors or joiners)
+    # Fresh (caught up in the background): an admission's joiners that are not survivors.
+    new = {r for r in joiners if r not in survivors}
+    assert set(decision.fresh) == (new if catch_up and survivors else set())
+    assert decision.source not in decision.fresh
     assert [decision.index(r) for r in decision.replicas] == list(range(decision.size))
 
 
@@ -173,12 +186,29 @@ def _check_converged(results: dict[tuple[int, int], Any]) -> None:
             torch.testing.assert_close(results[(0, coordinate)]["state"][name], tensor)
 
 
-def _start(steps: int, pace: float) -> ReplicaJob:
+def _start(steps: int, pace: float, restart_delay: float = 0.0) -> ReplicaJob:
     job = ReplicaJob(
-        workers.train, replicas=REPLICAS, local=LOCAL, args=(REPLICAS, steps, pace), max_restarts=8
+        workers.train,
+        replicas=REPLICAS,
+        local=LOCAL,
+        args=(REPLICAS, steps, pace),
+        max_restarts=8,
+        restart_delay=restart_delay,
     )
     job.start()
     return job
+
+
+def _caught_up_in_the_background(results: dict[tuple[int, int], Any], joiner: int) -> list[int]:
+    """The epochs in which ``joiner`` received the state while no other member did (a
+    catch-up; a broadcast gives every member but the source the state)."""
+    received: dict[int, set[int]] = {}
+    for (replica, _), result in results.items():
+        for epoch, role, nbytes, _ in result["transfers"]:
+            if role == "received":
+                assert nbytes > 0
+                received.setdefault(epoch, set()).add(replica)
+    return sorted(epoch for epoch, replicas in received.items() if replicas == {joiner})
 
 
 def _shapes(results: dict[tuple[int, int], Any]) -> list[tuple[int, ...]]:
@@ -193,7 +223,7 @@ def _shapes(results: dict[tuple[int, int], Any]) -> list[tuple[int, ...]]:
 @pytest.mark.fault
 def test_a_killed_replica_restarts_rejoins_and_every_replica_ends_equal() -> None:
     rng = random.Random()
-    job = _start(steps=40, pace=0.05)
+    job = _start(steps=40, pace=0.05, restart_delay=1.0)  # the heal is over by then
     deadline = time.monotonic() + BOUND
     try:
         _until(job, "the first epoch", lambda: _full(job), deadline)
@@ -211,6 +241,15 @@ def test_a_killed_replica_restarts_rejoins_and_every_replica_ends_equal() -> Non
     assert survivors in shapes, shapes  # the job trained on without the dead replica
     # Before it: the full job, or nothing (a kill before the first agreed step).
     assert shapes[: shapes.index(survivors)] in ([], [tuple(range(REPLICAS))]), shapes
+    # Admitted a second after the heal: it caught up while the survivors stepped on (a step
+    # with the survivors alone as contributors, the last before the full ones).
+    assert len(_caught_up_in_the_background(results, victim[0])) == 1, [
+        r["transfers"] for r in results.values()
+    ]
+    # Its coordinate 0 skipped that step's compute (catching_up); the survivors never did.
+    assert {k: r["skipped"] for k, r in results.items()} == {
+        k: int(k == (victim[0], 0)) for k in results
+    }
     print(f"\nRELIABILITY grow: killed {victim}, schedule {shapes}")
 
 
