@@ -52,17 +52,111 @@ class Transfer:
 
 
 def serialize(state: Mapping[str, Stateful]) -> torch.Tensor:
-    """``state``'s ``state_dict()``s as one ``torch.save`` blob (a uint8 tensor)."""
+    """``state``'s ``state_dict()``s as one ``torch.save`` blob (a uint8 tensor).
+
+    A DTensor (FSDP2's parameters and optimizer state) travels as its local
+    shard, its placements and its mesh's shape and dimension names: its mesh
+    is this process's, and is rebuilt from the receiver's own (:func:`load`).
+    """
     buffer = io.BytesIO()
-    torch.save({name: obj.state_dict() for name, obj in state.items()}, buffer)
+    torch.save({name: _to_wire(obj.state_dict()) for name, obj in state.items()}, buffer)
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 
 def load(state: Mapping[str, Stateful], data: bytearray) -> None:
-    """Load a :func:`serialize` blob into ``state`` (``weights_only``: tensors and plain data)."""
+    """Load a :func:`serialize` blob into ``state`` (``weights_only``: tensors and plain data).
+
+    A DTensor is rebuilt on the mesh of the same shape and dimension names
+    among the DTensors of ``state``'s own ``state_dict()``s (a ``ValueError``
+    if there is none).
+    """
+    if _DTENSOR.encode() in data:
+        import torch.distributed.tensor  # allowlists placements for weights_only
     loaded = torch.load(io.BytesIO(data), weights_only=True)
+    meshes: dict[tuple[Any, ...], Any] | None = None
     for name, obj in state.items():
-        obj.load_state_dict(loaded[name])
+        value = loaded[name]
+        if _DTENSOR.encode() in data:
+            meshes = _meshes(state) if meshes is None else meshes
+            value = _from_wire(value, meshes)
+        obj.load_state_dict(value)
+
+
+_DTENSOR = "__scopedmesh_dtensor_shard__"
+
+
+def _is_dtensor(value: object) -> bool:
+    module = type(value).__module__
+    return module.startswith("torch.distributed.tensor") and type(value).__name__ == "DTensor"
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    return (tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
+
+
+def _to_wire(value: Any) -> Any:
+    """``value`` with each DTensor replaced by a plain record of it (containers copied
+    only where they hold one)."""
+    if _is_dtensor(value):
+        return {
+            _DTENSOR: value.to_local(),
+            "placements": list(value.placements),
+            "mesh": _mesh_key(value.device_mesh),
+            "shape": tuple(value.shape),
+            "stride": tuple(value.stride()),
+        }
+    if isinstance(value, dict):
+        items = {k: _to_wire(v) for k, v in value.items()}
+        return items if any(items[k] is not value[k] for k in value) else value
+    if isinstance(value, list | tuple):
+        converted = [_to_wire(v) for v in value]
+        same = all(a is b for a, b in zip(converted, value))
+        return value if same else type(value)(converted)
+    return value
+
+
+def _meshes(state: Mapping[str, Stateful]) -> dict[tuple[Any, ...], Any]:
+    """The DeviceMeshes of the DTensors in ``state``'s own state dicts, by shape and names."""
+    found: dict[tuple[Any, ...], Any] = {}
+    pending: list[Any] = [obj.state_dict() for obj in state.values()]
+    while pending:
+        value = pending.pop()
+        if _is_dtensor(value):
+            found.setdefault(_mesh_key(value.device_mesh), value.device_mesh)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list | tuple):
+            pending.extend(value)
+    return found
+
+
+def _from_wire(value: Any, meshes: dict[tuple[Any, ...], Any]) -> Any:
+    """``value`` with each record of :func:`_to_wire` made a DTensor on this process's mesh."""
+    if isinstance(value, dict) and _DTENSOR in value:
+        from torch.distributed.tensor import DTensor
+
+        mesh = meshes.get(tuple(value["mesh"]))
+        if mesh is None:
+            raise ValueError(
+                f"cannot load a DTensor on a mesh of shape {value['mesh'][0]} and dims "
+                f"{value['mesh'][1]}: the receiving state holds no DTensor on such a mesh"
+            )
+        return DTensor.from_local(
+            value[_DTENSOR],
+            mesh,
+            value["placements"],
+            run_check=False,
+            shape=torch.Size(value["shape"]),
+            stride=tuple(value["stride"]),
+        )
+    if isinstance(value, dict):
+        items = {k: _from_wire(v, meshes) for k, v in value.items()}
+        return items if any(items[k] is not value[k] for k in value) else value
+    if isinstance(value, list | tuple):
+        converted = [_from_wire(v, meshes) for v in value]
+        same = all(a is b for a, b in zip(converted, value))
+        return value if same else type(value)(converted)
+    return value
 
 
 def broadcast_state(

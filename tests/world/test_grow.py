@@ -340,6 +340,55 @@ def test_a_joiner_arriving_while_a_second_replica_dies_is_admitted() -> None:
     print(f"\nRELIABILITY grow, joiner while a second dies: schedule {_shapes(results)}")
 
 
+@pytest.mark.fault
+def test_replicas_sharded_with_fsdp2_grow_back_equal_to_an_unsharded_replay() -> None:
+    """Inside each replica, FSDP2 over a scoped DeviceMesh of its WORLD; a rank killed
+    from outside: its replica restarts, catches up on FSDP2's DTensor state, and every
+    replica ends with the weights of a one-process, unsharded replay."""
+    import _workers_grow_fsdp as fsdp
+
+    rng = random.Random()
+    job = ReplicaJob(
+        fsdp.train_fsdp,
+        replicas=REPLICAS,
+        local=LOCAL,
+        args=(REPLICAS, 0.05),
+        max_restarts=4,
+        restart_delay=1.0,
+    )
+    job.start()
+    deadline = time.monotonic() + BOUND
+    try:
+        _until(job, "the first epoch", lambda: _full(job), deadline)
+        time.sleep(rng.uniform(0.3, 1.0))
+        victim = (rng.randrange(1, REPLICAS), rng.randrange(LOCAL))
+        decision = _decision(job)
+        token = decision.token(victim[0]) if decision is not None else None
+        assert job.kill(*victim) is not None
+        _until(job, "the full shape", lambda: _regrown(job, victim[0], token), deadline)
+        job.store.set(fsdp.STOP, str(int(read(job.store, fsdp.STEP) or 0) + 5))
+        results = _finish(job, deadline)
+    finally:
+        job.stop()
+    assert set(results) == {(r, c) for r in range(REPLICAS) for c in range(LOCAL)}
+    history = results[(0, 0)]["history"]
+    assert [s for s, _, _ in history] == list(range(len(history)))
+    losses, weights = fsdp.reference(history, LOCAL)
+    for (replica, coordinate), result in results.items():
+        assert result["replicas"] == tuple(range(REPLICAS)), (replica, result["replicas"])
+        # Registered state: one trajectory per coordinate (its own losses), the same steps.
+        assert result["history"] == results[(0, coordinate)]["history"], (replica, coordinate)
+        assert [h[:2] for h in result["history"]] == [h[:2] for h in history]
+        assert result["digest"] == results[(0, coordinate)]["digest"], (replica, coordinate)
+        recorded = torch.tensor([loss for _, _, loss in result["history"]])
+        expected = torch.tensor([step[coordinate] for step in losses])
+        torch.testing.assert_close(recorded, expected, rtol=1e-5, atol=1e-6)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(result["full"][name], tensor)
+    assert len(_caught_up_in_the_background(results, victim[0])) == 1
+    print(f"\nRELIABILITY grow fsdp2: killed {victim}, schedule {_shapes(results)}")
+
+
 def _example() -> Any:
     import importlib.util
     import sys
