@@ -130,6 +130,11 @@ class Replicas:
     ``timeout`` bounds every wait; each says what it waited for.
     ``form_timeout`` bounds gloo's connection of an epoch's group (a member
     that dies after every member was ready costs its peers that long).
+
+    After each agreed step, ``contributors`` holds the replicas whose tensors
+    it averaged (all members, but for an admission's joiners in its first
+    step), ``transfers`` every state transfer this rank took part in, and
+    ``entered`` each epoch it entered.
     """
 
     def __init__(
