@@ -294,7 +294,7 @@ class Replicas:
         dist.barrier(group=self._group)  # every slot of this replica announced
         if self.coordinate == 0:
             store.add(keys.joins, 1)
-        epoch = int(read(store, keys.latest) or 0)
+        epoch, marked = int(read(store, keys.latest) or 0), -1
         deadline = time.monotonic() + self._timeout
         while True:
             self._drain()
@@ -307,6 +307,9 @@ class Replicas:
                     return decision
                 epoch += 1
                 continue
+            if marked != epoch:  # ready ahead: the members that admit it form at once
+                store.set(keys.ready(epoch, self.replica, self.coordinate), "1")
+                marked = epoch
             epoch = max(epoch, int(read(store, keys.latest) or 0))
             self._wait_or_fail(
                 deadline, f"an epoch that admits replica {self.replica} (from {epoch})"

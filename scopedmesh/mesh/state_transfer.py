@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import importlib
 import io
 import time
 from collections.abc import Mapping, Sequence
@@ -70,8 +71,8 @@ def load(state: Mapping[str, Stateful], data: bytearray) -> None:
     among the DTensors of ``state``'s own ``state_dict()``s (a ``ValueError``
     if there is none).
     """
-    if _DTENSOR.encode() in data:
-        import torch.distributed.tensor  # allowlists placements for weights_only
+    if _DTENSOR.encode() in data:  # its import allowlists placements for weights_only
+        importlib.import_module("torch.distributed.tensor")
     loaded = torch.load(io.BytesIO(data), weights_only=True)
     meshes: dict[tuple[Any, ...], Any] | None = None
     for name, obj in state.items():
