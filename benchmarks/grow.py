@@ -165,7 +165,7 @@ def _figures(event: dict[str, Any], results: dict[Any, Any], replicas: int) -> d
     # The survivors' full steps are the joiner's too (one all-reduce).
     joiner = results.get((victim[0], victim[1]), {})
     first_full = next(
-        (t for t, e, _, n in joiner.get("commits", []) if e >= regrown[1] and n == replicas), None
+        (t for t, e, _, n in joiner.get("commits", []) if e == regrown[1] and n == replicas), None
     )
     sent = [t for t in results[(0, 0)]["transfers"] if t[0] == regrown[1] and t[1] == "sent"]
     return {
