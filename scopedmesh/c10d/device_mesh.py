@@ -125,6 +125,21 @@ class ScopedDeviceMesh(DeviceMesh):
     def _preserve_rank_order(self, value: bool) -> None:
         self.__dict__["_preserve_rank_order"] = bool(value)  # torch's may pass a RankOrder
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (torch.save of DTensors, FSDP2's state_dict): the scope stays in this
+        # process; torch's own DeviceMesh drops its group registry likewise.
+        return {k: v for k, v in self.__dict__.items() if k not in (_LIFETIME, "_pg_registry")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Loaded: torch's own DeviceMesh over the same group names, resolved by name
+        # where they exist (as torch's own pickled DeviceMesh is), bound to no scope.
+        self.__class__ = DeviceMesh  # type: ignore[assignment]  # same layout: torch's class
+        setstate = DeviceMesh.__dict__.get("__setstate__")
+        if setstate is not None:
+            setstate(self, state)
+        else:
+            self.__dict__.update(state)
+
     def __copy__(self) -> ScopedDeviceMesh:
         return self  # a handle on its scope's groups: copies would share them anyway
 
@@ -215,6 +230,12 @@ class RankOrder:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RankOrder:
         return self
+
+
+# torch.load(weights_only=True), torch's default, takes only allowlisted classes: as
+# torch.distributed.tensor allowlists DeviceMesh, this allowlists the classes a DTensor on a
+# scoped DeviceMesh pickles (the mesh's own, and a combined mesh's rank-order field).
+torch.serialization.add_safe_globals([ScopedDeviceMesh, RankOrder])
 
 
 def _incarnation_token(names: list[str]) -> int:
