@@ -229,6 +229,7 @@ class Replicas:
                 tensor.zero_()  # this step's compute ran on the joiner's own state
         ok = self._dp(lambda pg: self._average(pg, tensors, decision.size, len(contributors)))
         ok = ok and self._dp(lambda pg: self._finish_catch_up(decision))
+        self._finish_drop()  # the last epoch's group, let go of while this step ran
         joins = self._store.add(self.keys.joins, 0) if self.coordinate == 0 else 0
         flags = torch.tensor([0 if ok else 1, joins], dtype=torch.int64)
         if ok:
@@ -386,7 +387,6 @@ class Replicas:
             flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             if not int(flag[0]):
-                self._finish_drop()
                 self._pending = None
                 self.entered.append((decision.epoch, time.time(), decision.replicas))
                 if decision.source == self.replica and self.coordinate == 0:
@@ -466,9 +466,10 @@ class Replicas:
 
         Destroying a gloo group takes about 30 ms (its threads and connections,
         measured here); at an admission that was a third of the survivors'
-        stall. It overlaps the next epoch's formation instead, and
-        :meth:`_finish_drop` waits for it before the epoch's first step. A
-        failed group is never dropped this way: its peers must fail at once.
+        stall. It overlaps the next epoch's formation and first all-reduce
+        instead; :meth:`_finish_drop` waits for it after that all-reduce (it has
+        ended by then), before the step's verdict. A failed group is never
+        dropped this way: its peers must fail at once.
         """
         self._finish_drop()
         held = [self._pg]
