@@ -380,7 +380,9 @@ SHAPES = [((4,), ("w",)), ((2, 2), ("dp", "tp")), ((1, 4), ("dp", "tp")), ((4, 1
     rows=hs.integers(1, 3),
     shard_last=hs.booleans(),
 )
-@pytest.mark.world(4)
+# One warm world for every example (reuse=True): each example's mesh and DeviceMesh are its own,
+# and DTensor's caches carry over from the examples before, closed meshes included.
+@pytest.mark.world(4, reuse=True)
 def test_every_example_opens_a_mesh_and_uses_dtensor(
     world: Any, case: Any, rows: int, shard_last: bool
 ) -> None:
