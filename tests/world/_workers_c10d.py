@@ -32,7 +32,10 @@ from scopedmesh.mesh import ProcessGroupMesh
 # published its address (``_follow``): the peer reads this rank's key next, so a tenth of a
 # second covers that store request even on a loaded machine.
 SKEW = 0.1
-PUBLIC_TIMEOUT = 2.0  # the public recipe's group timeout: it fails, so keep it short
+# The public recipe's group timeout: it fails, so keep it short. A rank left waiting for its
+# peer to dial gives up after five times this (gloo's connect wait: 5 s measured for 1 s);
+# a 2-rank group forms in about 0.1 s at load 10 on 2 cores.
+PUBLIC_TIMEOUT = 1.0
 # A re-creation that reads the peer's stale address still survives when the new listening
 # ports fall one way (about 1 time in 3: see _public_recipe), so on torch <= 2.13 the recipe
 # cycles until the hazard strikes; 15 re-creations all surviving is about 1 in 14 million.
