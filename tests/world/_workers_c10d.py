@@ -67,13 +67,13 @@ def _lead(rank: int, store: dist.Store, recipe: str, cycle: int) -> None:
 def _follow(
     rank: int, store: dist.Store, recipe: str, cycle: int, cycles: int, next_name: str | None
 ) -> None:
-    """The second rank keeps incarnation ``cycle`` until its peer is inside the next, then SKEW more.
+    """The second rank keeps incarnation ``cycle`` until its peer is inside the next, then SKEW.
 
     It waits for the peer's word that it starts re-creating, then for the address the peer
     publishes in the rendezvous of ``next_name`` (the next incarnation's name, where it is
-    known; the peer reads this rank's key right after writing its own). So the first rank's re-creation always
-    meets the second rank's old incarnation and its rendezvous keys, however the machine
-    schedules the two.
+    known; the peer reads this rank's key right after writing its own). So the first rank's
+    re-creation always meets the second rank's old incarnation and its rendezvous keys,
+    however the machine schedules the two.
     """
     if rank % 2 and cycle + 1 < cycles:
         timeout = timedelta(seconds=MESH_TIMEOUT)
@@ -129,8 +129,8 @@ def _public_recipe(rank: int) -> dict[str, Any]:
     rank's listening address under ``str(rank)`` in the group's store prefix, then reads
     every peer's key. Rank 0 deletes its own key of the last incarnation before it
     re-creates, and rank 1 keeps its incarnation until rank 0's new key is there, and
-    SKEW more (``_follow``), so rank 0 reads rank 1's stale key. Which side dials is decided by
-    comparing listening ports (tcp/device.cc, Device::isInitiator: ``sa->sin_port -
+    SKEW more (``_follow``), so rank 0 reads rank 1's stale key. Which side dials is
+    decided by comparing listening ports (tcp/device.cc, Device::isInitiator: ``sa->sin_port -
     sb->sin_port``, in network byte order). Rank 0
     dials the stale address when its new port orders above rank 1's old one; otherwise it
     waits, and both wait unless rank 1's new port orders above rank 0's. ``ports`` is the

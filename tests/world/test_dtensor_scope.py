@@ -400,36 +400,6 @@ def test_every_example_opens_a_mesh_and_uses_dtensor(
     assert _c10d.live_group_count() == 1
 
 
-@pytest.mark.world(4)
-def test_an_fsdp2_state_dict_saves_and_loads_as_on_torchs_own_device_mesh(world: Any) -> None:
-    """torch.save of FSDP2's state_dict (DTensors on a scoped DeviceMesh), then torch's
-    default torch.load (weights_only): torch's own DeviceMesh over the same groups."""
-    import io
-
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    for _ in range(2):  # two blocks in a row: each saves its own groups' names
-        with ProcessGroupMesh(2, 2, names=("dp", "tp")) as mesh:
-            dm = mesh.to_device_mesh("cpu")
-            torch.manual_seed(0)
-            model = fully_shard(nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2)).double(), mesh=dm)
-            state = model.state_dict()
-            buffer = io.BytesIO()
-            torch.save(state, buffer)
-            loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-            assert set(loaded) == set(state)
-            for name, value in state.items():
-                got = loaded[name]
-                assert isinstance(got, DTensor) and type(got.device_mesh) is DeviceMesh
-                assert list(got.device_mesh._dim_group_names) == own_names(mesh)
-                assert got.placements == value.placements
-                assert torch.equal(got.to_local(), value.to_local())
-                assert torch.equal(got.full_tensor(), value.full_tensor())  # groups by name
-            assert isinstance(dm, ScopedDeviceMesh)  # the saved mesh itself is unchanged
-        assert _c10d.live_group_count() == 1
-
-
 # ------------------------------------- FSDP2's combined meshes: DeviceMesh._concatenate
 
 CONCATENATES = hasattr(DeviceMesh, "_concatenate") and "_preserve_rank_order" in getattr(
