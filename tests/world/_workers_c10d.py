@@ -28,8 +28,14 @@ from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import GroupFormationError
 from scopedmesh.mesh import ProcessGroupMesh
 
-SKEW = 0.5  # seconds the second rank of a pair sleeps before it destroys (the recipe)
-PUBLIC_TIMEOUT = 2.0  # the public recipe's group timeout: it fails, so keep it short
+# Seconds the second rank of a pair keeps its old incarnation once its peer's re-creation has
+# published its address (``_follow``): the peer reads this rank's key next, so a tenth of a
+# second covers that store request even on a loaded machine.
+SKEW = 0.1
+# The public recipe's group timeout: it fails, so keep it short. A rank left waiting for its
+# peer to dial gives up after five times this (gloo's connect wait: 5 s measured for 1 s);
+# a 2-rank group forms in about 0.1 s at load 10 on 2 cores.
+PUBLIC_TIMEOUT = 1.0
 # A re-creation that reads the peer's stale address still survives when the new listening
 # ports fall one way (about 1 time in 3: see _public_recipe), so on torch <= 2.13 the recipe
 # cycles until the hazard strikes; 15 re-creations all surviving is about 1 in 14 million.
@@ -37,6 +43,9 @@ PUBLIC_CYCLES = 16
 MESH_TIMEOUT = 30.0
 ORDER_TIMEOUT = 6.0  # s: the deadlock is said in about 1 s; a loaded machine needs room
 DEAD_RANK = 3
+# Public member-only groups get their old name back up to torch 2.13 (test_c10d.py says why).
+RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+PUBLIC_NAMES_REUSED = RELEASE <= (2, 13)
 NAME = re.compile(r"scopedmesh-([0-9a-f]{20})-(\d+)")
 
 
@@ -55,16 +64,37 @@ def _lead(rank: int, store: dist.Store, recipe: str, cycle: int) -> None:
         store.set(f"test-c10d/{recipe}/{rank}/{cycle}", "go")
 
 
-def _follow(rank: int, store: dist.Store, recipe: str, cycle: int, cycles: int) -> None:
-    """The second rank keeps incarnation ``cycle`` until its peer starts the next, then SKEW more.
+def _follow(
+    rank: int, store: dist.Store, recipe: str, cycle: int, cycles: int, next_name: str | None
+) -> None:
+    """The second rank keeps incarnation ``cycle`` until its peer is inside the next, then SKEW.
 
-    So the first rank's re-creation always meets the second rank's old incarnation and its
-    rendezvous keys, however the machine schedules the two.
+    It waits for the peer's word that it starts re-creating, then for the address the peer
+    publishes in the rendezvous of ``next_name`` (the next incarnation's name, where it is
+    known; the peer reads this rank's key right after writing its own). So the first rank's
+    re-creation always meets the second rank's old incarnation and its rendezvous keys,
+    however the machine schedules the two.
     """
     if rank % 2 and cycle + 1 < cycles:
-        key = f"test-c10d/{recipe}/{rank - 1}/{cycle + 1}"
-        store.wait([key], timedelta(seconds=MESH_TIMEOUT))
+        timeout = timedelta(seconds=MESH_TIMEOUT)
+        store.wait([f"test-c10d/{recipe}/{rank - 1}/{cycle + 1}"], timeout)
+        if next_name is not None:
+            store.wait([_rendezvous_key(next_name, 0)], timeout)
     _skew(rank)
+
+
+def _rendezvous_key(name: str, group_rank: int) -> str:
+    """Where gloo keeps ``group_rank``'s listening address while group ``name`` forms.
+
+    torch 2.13's layout: PrefixStore(f"{name}/") -> PrefixStore("cpu/") -> gloo's
+    PrefixStore("0") for device 0 (scopedmesh.c10d.store.incarnation_keys pins it too).
+    """
+    return f"{name}//cpu//0/{group_rank}"
+
+
+def _next_name(pair: list[int], group: dist.ProcessGroup) -> str:
+    """The private path's name for the incarnation after ``group`` over ``pair``."""
+    return _c10d.group_name(pair, "gloo", _generation(group) + 1)
 
 
 def _generation(group: dist.ProcessGroup) -> int:
@@ -97,9 +127,10 @@ def _public_recipe(rank: int) -> dict[str, Any]:
 
     Gloo's rendezvous (gloo/transport/tcp/context.cc, createAndConnectAllPairs) sets this
     rank's listening address under ``str(rank)`` in the group's store prefix, then reads
-    every peer's key. Rank 1 keeps its incarnation until rank 0 starts re-creating
-    (``_follow``), so rank 0 reads rank 1's stale key. Which side dials is decided by
-    comparing listening ports (tcp/device.cc, Device::isInitiator: ``sa->sin_port -
+    every peer's key. Rank 0 deletes its own key of the last incarnation before it
+    re-creates, and rank 1 keeps its incarnation until rank 0's new key is there, and
+    SKEW more (``_follow``), so rank 0 reads rank 1's stale key. Which side dials is
+    decided by comparing listening ports (tcp/device.cc, Device::isInitiator: ``sa->sin_port -
     sb->sin_port``, in network byte order). Rank 0
     dials the stale address when its new port orders above rank 1's old one; otherwise it
     waits, and both wait unless rank 1's new port orders above rank 0's. ``ports`` is the
@@ -114,6 +145,7 @@ def _public_recipe(rank: int) -> dict[str, Any]:
         stage = "new_group"
         if rank == 0 and names:
             stale.append(_rendezvous_port(store, names[-1], 1))
+            store.delete_key(_rendezvous_key(names[-1], 0))  # rank 1 waits for its new one
             _lead(rank, store, "public", cycle)
         try:
             group = dist.new_group(
@@ -124,7 +156,8 @@ def _public_recipe(rank: int) -> dict[str, Any]:
             stage = "all_reduce"
             sums.append(total(group))
             stage = "skew"
-            _follow(rank, store, "public", cycle, PUBLIC_CYCLES)
+            again = group.group_name if PUBLIC_NAMES_REUSED else None  # 2.14+: a new name
+            _follow(rank, store, "public", cycle, PUBLIC_CYCLES, again)
             stage = "destroy"
             dist.destroy_process_group(group)
         except Exception as error:
@@ -144,11 +177,10 @@ def _public_recipe(rank: int) -> dict[str, Any]:
 def _rendezvous_port(store: dist.Store, name: str, rank: int) -> int | None:
     """The listening port ``rank`` published in group ``name``'s gloo rendezvous, or None.
 
-    The key is torch 2.13's layout: PrefixStore(f"{name}/") -> PrefixStore("cpu/") -> gloo's
-    PrefixStore("0") for device 0; its value is gloo tcp's ``Rank``: hostname size and
+    The key is ``_rendezvous_key``; its value is gloo tcp's ``Rank``: hostname size and
     bytes, address size, then the address, a sockaddr (family, then port in network order).
     """
-    key = f"{name}//cpu//0/{rank}"
+    key = _rendezvous_key(name, rank)
     try:
         if not store.check([key]):
             return None
@@ -361,7 +393,7 @@ def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
             assert group is not None
             sums.append(total(group))
             generations.append(_generation(group))
-            _follow(rank, store, "open-close", cycle, 10)
+            _follow(rank, store, "open-close", cycle, 10, _next_name(pair, group))
     out["open_close"] = {"sums": sums, "generations": generations}
 
     # (b) a sub-mesh re-created inside one parent: its group is made and destroyed each time.
@@ -375,7 +407,7 @@ def mesh_recipes(rank: int, world_size: int) -> dict[str, Any]:
                 assert group is not None
                 sums.append(total(group))
                 generations.append(_generation(group))
-                _follow(rank, store, "submesh", cycle, 6)
+                _follow(rank, store, "submesh", cycle, 6, _next_name(pair, group))
         dp_alive = _c10d.is_live(dp)  # type: ignore[arg-type]
         dp_sum = total(dp)  # type: ignore[arg-type]
     out["submesh"] = {"sums": sums, "generations": generations, "dp": (dp_alive, dp_sum)}

@@ -23,6 +23,7 @@ from scopedmesh.mesh import ProcessGroupMesh
 from scopedmesh.mesh.watch import LivenessWatch
 
 LONG = 120.0  # a mesh timeout the diagnosis must beat by far
+SWAPPED = 2.0  # swapped_with_barrier: rank 0 waits it out while rank 1 sits in a barrier
 
 
 def ask(mesh: ProcessGroupMesh, axis: Any, indices: Any = None) -> dict[str, Any]:
@@ -131,7 +132,7 @@ def swapped_with_barrier(
     if warm:
         with ProcessGroupMesh(2, names=("all",), timeout=LONG) as first:
             out["before"] = ask(first, "all")
-    with ProcessGroupMesh(2, names=("tp",), timeout=3.0) as mesh:
+    with ProcessGroupMesh(2, names=("tp",), timeout=SWAPPED) as mesh:
         if hidden and rank == 1:  # a process record no peer can check: "another host"
             elsewhere = {"host": "another-host", "ns": "", "pid": 1, "start": ""}
             _c10d.default_store().set(process_key(rank), json.dumps(elsewhere))

@@ -19,6 +19,10 @@ from scopedmesh.c10d import groups as _c10d
 from scopedmesh.errors import GroupFormationError
 from scopedmesh.mesh import ProcessGroupMesh
 
+# The timeout of the meshes a member never asks on: the others only need it to fire. The
+# groups that do form under it (tp [0, 1] while rank 2 or 3 stays away) take ~0.1 s.
+MISSING_TIMEOUT = 1.0
+
 
 def _form(mesh: ProcessGroupMesh, axis: Any) -> dict[str, Any]:
     """Request ``axis`` on ``mesh``; return the outcome and how long it took."""
@@ -34,7 +38,7 @@ def missing_member(rank: int) -> dict[str, Any]:
     """Rank 3 never asks for its tp group, then rank 2 never does; then both do."""
     out: dict[str, Any] = {}
     for phase, absent in (("first", 3), ("second", 2)):
-        mesh = ProcessGroupMesh(2, 2, names=NAMES, timeout=2.0)
+        mesh = ProcessGroupMesh(2, 2, names=NAMES, timeout=MISSING_TIMEOUT)
         with mesh:
             if rank != absent:
                 out[phase] = _form(mesh, "tp")
@@ -46,7 +50,7 @@ def missing_member(rank: int) -> dict[str, Any]:
             out[phase + "_retry"] = _form(mesh, "tp")
         dist.barrier()
     # Several axes: rank 0 never asks, the other three wait for it.
-    mesh = ProcessGroupMesh(2, 2, names=NAMES, timeout=2.0)
+    mesh = ProcessGroupMesh(2, 2, names=NAMES, timeout=MISSING_TIMEOUT)
     with mesh:
         if rank != 0:
             out["multi"] = _form(mesh, NAMES)
@@ -66,7 +70,7 @@ def eager_missing_member(rank: int) -> dict[str, Any]:
             warnings.simplefilter("always")
             started = time.monotonic()
             try:
-                ProcessGroupMesh(2, 2, names=NAMES, timeout=2.0, eager=True).close()
+                ProcessGroupMesh(2, 2, names=NAMES, timeout=MISSING_TIMEOUT, eager=True).close()
                 out["outcome"] = "made"
             except GroupFormationError as exc:
                 out["outcome"] = error_of(exc)

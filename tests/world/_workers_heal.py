@@ -29,6 +29,11 @@ from scopedmesh.mesh.heal import LostRankError, agree_on_lost, reform
 
 NAMES = ("dp", "tp")
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1
+# heal_world's collective timeout, and its agreement deadline, which the survivors always run
+# into (the victim never checks in). The deadline must outlast the spread of the survivors'
+# failure times: here every survivor's collective fails within 0.1 s of the death (a peer
+# closes its groups), and even one that waited out the collective timeout would be in time.
+COLLECTIVE_TIMEOUT, AGREE_TIMEOUT = 5.0, 6.0
 
 
 def open_fds() -> int:
@@ -243,8 +248,7 @@ def heal_world(
     if fd_cycles:
         report["fds"] = kept_handles(shape, fd_cycles, kept_cycles)
     dist.barrier()
-    timeout = 5.0
-    mesh = ProcessGroupMesh(*shape, names=NAMES, timeout=timeout)
+    mesh = ProcessGroupMesh(*shape, names=NAMES, timeout=COLLECTIVE_TIMEOUT)
     w_full = initial_weight()
     width = IN // shape[1]
     w_shard = w_full[:, mesh.coordinate("tp") * width : (mesh.coordinate("tp") + 1) * width].clone()
@@ -269,7 +273,7 @@ def heal_world(
     report["old_mesh_closed"] = mesh.closed
     # Agree on the lost ranks in the store (the victim never checks in), then re-form.
     try:
-        lost = agree_on_lost(range(world), rank, tag=f"step{step}", timeout=2 * timeout)
+        lost = agree_on_lost(range(world), rank, tag=f"step{step}", timeout=AGREE_TIMEOUT)
         report["lost"] = sorted(lost)
         healed = reform(mesh, lost, "dp")
     except LostRankError as error:

@@ -75,11 +75,16 @@ def sleep_forever(rank: int, world_size: int) -> None:
 
 
 def store_after_rank0_left(rank: int, world_size: int) -> int:
-    """Rank 0 returns at once; the others use the store after it has exited."""
-    if rank == 0:
-        return 0
-    time.sleep(3.0)  # rank 0 has reported, torn down and exited by now
+    """Rank 0 returns at once; the others use the store once its process has ended."""
+    from _workers_common import wait_gone
+
     store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("rank0-pid", str(os.getpid()))
+        return 0
+    pid = int(store.get("rank0-pid"))
+    if not wait_gone(pid):  # reported, torn down and exited: a zombie counts as gone
+        raise AssertionError(f"rank 0 (pid {pid}) still running 30 s after it returned")
     return int(store.add("late-rank-count", 1))
 
 
@@ -156,13 +161,13 @@ def test_allow_exit_returns_none_for_the_dead_rank() -> None:
 
 
 def test_overall_timeout_kills_everyone() -> None:
-    timeout = 3.0
+    timeout = 1.0  # only needs to fire: the ranks sleep for an hour
     start = time.monotonic()
     with pytest.raises(WorldError, match="timed out") as info:
         run_world(sleep_forever, 2, timeout=timeout)
     elapsed = time.monotonic() - start
     assert elapsed < timeout + 30.0  # SIGTERM, then SIGKILL after a couple of seconds
-    assert "world of 2 ranks timed out after 3 s" in str(info.value)
+    assert "world of 2 ranks timed out after 1 s" in str(info.value)
     assert info.value.still_running == [0, 1]
     assert multiprocessing.active_children() == []
 
