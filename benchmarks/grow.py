@@ -122,6 +122,7 @@ def run(
         local=local,
         args=(replicas, numel, pace),
         restart_delay=delay,
+        max_restarts=kills + 2,  # every kill restarts a replica
     )
     job.start()
     rng, events = random.Random(), []
