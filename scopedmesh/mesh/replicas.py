@@ -168,6 +168,7 @@ class Replicas:
         self._incoming: Incoming | None = None  # this joiner's catch-up
         self._pg: Any = None  # this epoch's dp group along this rank's coordinate
         self._dropping: threading.Thread | None = None  # lets go of the last epoch's group
+        self._admission: tuple[threading.Thread, list[Any]] | None = None  # see boundary()
         self._pending: str | None = "join"
         self._probed: dict[tuple[int, int], float] = {}
         self._dead_slots: set[tuple[int, int, str]] = set()  # (replica, coordinate, token)
@@ -207,7 +208,7 @@ class Replicas:
         elif self._pending == "heal":
             self._enter(self._heal(self._current()))
         elif self._pending == "admit":
-            self._enter(self._admit(self._current()))
+            self._enter(*self._admitted())
         return self._current()
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -250,6 +251,8 @@ class Replicas:
             self._cleaned = decision.epoch
             if self.coordinate == 0:
                 self._clean(decision)
+        if self._pending == "admit":
+            self._start_admission(decision)
         return True
 
     # ------------------------------------------------------------------ lifetime
@@ -261,6 +264,7 @@ class Replicas:
         self._closed = True
         self._pg = None
         self._outgoing = self._incoming = None
+        self._admission = None  # its thread sees the close at its next wait, and drops its group
         self._finish_drop()
         self._listener.close()
         with contextlib.suppress(Exception):
@@ -327,9 +331,50 @@ class Replicas:
         first = propose(0, {}, joiners, joins)
         return self._decide(first)
 
+    def _start_admission(self, current: Decision) -> None:
+        """Decide and form the next epoch on a helper thread while the loop finishes its
+        step (its optimizer step, logging, next batch); :meth:`boundary` takes it over.
+
+        Only this slot's store requests, probes and the new dp group's formation run
+        there: the replica's own collectives and the state transfer stay on the
+        loop's thread, at the boundary.
+        """
+        self._drop_in_background()
+        outcome: list[Any] = []
+
+        def admit() -> None:
+            try:
+                decision = self._admit(current)
+                outcome.append((decision, self._form(decision)))
+                if self._closed:
+                    self._pg = None
+            except BaseException as error:  # re-raised on the loop's thread by boundary()
+                outcome.append(error)
+
+        thread = threading.Thread(target=admit, name="scopedmesh-replicas-admit", daemon=True)
+        thread.start()
+        self._admission = (thread, outcome)
+
+    def _admitted(self) -> tuple[Decision, bool]:
+        """The helper's admission: the next epoch, and whether its dp group formed."""
+        if self._admission is None:  # started nowhere (cannot happen): decide here
+            decision = self._admit(self._current())
+            return decision, self._form(decision)
+        thread, outcome = self._admission
+        self._admission = None
+        thread.join(self._timeout + self._form_timeout)
+        if thread.is_alive() or not outcome:
+            raise TimeoutError(
+                f"replica {self.replica} coordinate {self.coordinate}: waited "
+                f"{self._timeout + self._form_timeout:g} s for the admission's epoch to form"
+            )
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        decision, formed = outcome[0]
+        return decision, formed
+
     def _admit(self, current: Decision) -> Decision:
         """The next epoch: every member and every complete joiner (no waiting)."""
-        self._drop_in_background()
         joins = self._store.add(self.keys.joins, 0)
         joiners = self._joiners(current)
         nxt = propose(current.epoch + 1, dict(current.members), joiners, joins, catch_up=True)
@@ -371,8 +416,9 @@ class Replicas:
                 f"step or to die (slots waited for: {[s for s in waiting if s[0] not in dead]})",
             )
 
-    def _enter(self, decision: Decision) -> None:
-        """Form ``decision``'s groups and take its source's state; on a failure, heal."""
+    def _enter(self, decision: Decision, formed: bool | None = None) -> None:
+        """Form ``decision``'s groups (unless ``formed`` says how that went) and take its
+        source's state; on a failure, heal."""
         while True:
             if decision.token(self.replica) != self.token:
                 self._pg = None
@@ -383,7 +429,9 @@ class Replicas:
                 )
             self.decision, self._steps = decision, 0
             self._behind |= set(decision.fresh)
-            ok = self._form(decision) and self._dp(functools.partial(self._sync, decision=decision))
+            ok = self._form(decision) if formed is None else formed
+            ok = ok and self._dp(functools.partial(self._sync, decision=decision))
+            formed = None
             flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             if not int(flag[0]):
@@ -397,12 +445,9 @@ class Replicas:
 
     def _form(self, decision: Decision) -> bool:
         """Wait until this coordinate's slots of ``decision`` are ready (False if one is
-        dead), then form the epoch's dp group outside WORLD. The source of a catch-up
-        takes its snapshot while it waits."""
+        dead), then form the epoch's dp group outside WORLD."""
         store, keys, epoch = self._store, self.keys, decision.epoch
         store.set(keys.ready(epoch, self.replica, self.coordinate), "1")
-        if decision.fresh and decision.source == self.replica:
-            self._outgoing = Outgoing(self._state)
         deadline = time.monotonic() + self._timeout
         waiting = [r for r in decision.replicas if r != self.replica]
         while waiting:
@@ -442,7 +487,8 @@ class Replicas:
             role, nbytes = broadcast_state(pg, self._state, source, decision.index(self.replica))
             seconds = time.perf_counter() - start
             self.transfers.append(Transfer(decision.epoch, role, nbytes, seconds))
-        elif self._outgoing is not None:
+        elif decision.source == self.replica:  # the state the survivors start the step from
+            self._outgoing = Outgoing(self._state)
             self._outgoing.post(pg, [decision.index(r) for r in decision.fresh])
         elif self.replica in decision.fresh:
             self._incoming = Incoming()
@@ -614,6 +660,8 @@ class Replicas:
                 conn.close()
 
     def _wait_or_fail(self, deadline: float, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"replica {self.replica}'s Replicas closed while waiting for {what}")
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"replica {self.replica} coordinate {self.coordinate}: waited {self._timeout:g} s "
