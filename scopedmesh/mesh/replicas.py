@@ -18,7 +18,8 @@ What a training loop writes (``examples/grow_replicas.py`` runs it)::
             if grow.all_reduce_([p.grad for p in model.parameters()]):
                 opt.step(); progress.step += 1      # False: a replica died mid-step; redo it
 
-``boundary()`` costs nothing unless the last ``all_reduce_`` saw a change.
+``boundary()`` costs nothing unless the last ``all_reduce_`` saw a change (an
+admission is decided and formed on a helper thread from that verdict on).
 ``all_reduce_`` averages along the epoch's dp group, then agrees on the step's
 outcome: one store request per replica (the joins counter), a 2-integer MAX
 along dp and one along the replica's own group. So every member sees the same
