@@ -85,6 +85,19 @@ def loss_of(model: torch.nn.Module, replica: int, coordinate: int, step: int) ->
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def accumulate(
+    model: torch.nn.Module, grads: list[torch.Tensor], replica: int, coordinate: int, step: int
+) -> torch.Tensor:
+    """Add ``model``'s gradient of ``replica``'s loss at (``coordinate``, ``step``) to
+    ``grads``; return the loss (for the one-process replays)."""
+    model.zero_grad()
+    loss = loss_of(model, replica, coordinate, step)
+    loss.backward()
+    for g, p in zip(grads, model.parameters()):
+        g += p.grad
+    return loss.detach()
+
+
 def digest(state: dict[str, Any]) -> str:
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -188,12 +201,7 @@ def reference(
         total = torch.zeros(())
         grads = [torch.zeros_like(p) for p in model.parameters()]
         for r in members:
-            model.zero_grad()
-            loss = loss_of(model, r, coordinate, step)
-            loss.backward()
-            total = total + loss.detach()
-            for g, p in zip(grads, model.parameters()):
-                g += p.grad
+            total = total + accumulate(model, grads, r, coordinate, step)
         for g, p in zip(grads, model.parameters()):
             p.grad = g / len(members)
         optim.step()

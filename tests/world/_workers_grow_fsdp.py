@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _workers_grow import Progress, batch
+from _workers_grow import LR, STEP, STOP, Progress, accumulate, loss_of
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -27,18 +27,10 @@ from scopedmesh.c10d.store import read
 from scopedmesh.mesh import ProcessGroupMesh
 from scopedmesh.mesh.replicas import Replicas
 
-LR = 0.05
-STOP, STEP = "test/stop", "test/step"
-
 
 def model_of() -> torch.nn.Module:
     torch.manual_seed(2024)
     return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-
-def loss_of(model: torch.nn.Module, replica: int, coordinate: int, step: int) -> torch.Tensor:
-    x, y = batch(replica, coordinate, step)
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def _local(value: Any) -> Any:
@@ -114,12 +106,7 @@ def reference(
         for coordinate in range(local):
             total = torch.zeros(())
             for r in members:
-                model.zero_grad()
-                loss = loss_of(model, r, coordinate, step)
-                loss.backward()
-                total = total + loss.detach()
-                for g, p in zip(grads, model.parameters()):
-                    g += p.grad
+                total = total + accumulate(model, grads, r, coordinate, step)
             per_coordinate.append(float(total / len(members)))
         for g, p in zip(grads, model.parameters()):
             p.grad = g / (len(members) * local)
