@@ -358,9 +358,8 @@ class Replicas:
 
     def _admitted(self) -> tuple[Decision, bool]:
         """The helper's admission: the next epoch, and whether its dp group formed."""
-        if self._admission is None:  # started nowhere (cannot happen): decide here
-            decision = self._admit(self._current())
-            return decision, self._form(decision)
+        if self._admission is None:  # all_reduce_ starts one whenever it sets "admit"
+            raise RuntimeError(f"replica {self.replica}: an admission is due but none started")
         thread, outcome = self._admission
         self._admission = None
         thread.join(self._timeout + self._form_timeout)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import io
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,7 +60,7 @@ def serialize(state: Mapping[str, Stateful]) -> torch.Tensor:
     is this process's, and is rebuilt from the receiver's own (:func:`load`).
     """
     buffer = io.BytesIO()
-    torch.save({name: _to_wire(obj.state_dict()) for name, obj in state.items()}, buffer)
+    torch.save({name: _mapped(obj.state_dict(), _to_wire) for name, obj in state.items()}, buffer)
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 
@@ -71,15 +71,15 @@ def load(state: Mapping[str, Stateful], data: bytearray) -> None:
     among the DTensors of ``state``'s own ``state_dict()``s (a ``ValueError``
     if there is none).
     """
-    if _DTENSOR.encode() in data:  # its import allowlists placements for weights_only
+    sharded = _DTENSOR.encode() in data
+    if sharded:  # its import allowlists placements for weights_only
         importlib.import_module("torch.distributed.tensor")
     loaded = torch.load(io.BytesIO(data), weights_only=True)
-    meshes: dict[tuple[Any, ...], Any] | None = None
+    meshes = _meshes(state) if sharded else {}
     for name, obj in state.items():
         value = loaded[name]
-        if _DTENSOR.encode() in data:
-            meshes = _meshes(state) if meshes is None else meshes
-            value = _from_wire(value, meshes)
+        if sharded:
+            value = _mapped(value, lambda v: _from_wire(v, meshes))
         obj.load_state_dict(value)
 
 
@@ -95,25 +95,34 @@ def _mesh_key(mesh: Any) -> tuple[Any, ...]:
     return (tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
 
 
-def _to_wire(value: Any) -> Any:
-    """``value`` with each DTensor replaced by a plain record of it (containers copied
-    only where they hold one)."""
-    if _is_dtensor(value):
-        return {
-            _DTENSOR: value.to_local(),
-            "placements": list(value.placements),
-            "mesh": _mesh_key(value.device_mesh),
-            "shape": tuple(value.shape),
-            "stride": tuple(value.stride()),
-        }
+def _mapped(value: Any, convert: Callable[[Any], Any]) -> Any:
+    """``value`` with each part that ``convert`` answers (not None) replaced by its answer,
+    through dicts, lists and tuples; a container is copied only where a part changed."""
+    replaced = convert(value)
+    if replaced is not None:
+        return replaced
     if isinstance(value, dict):
-        items = {k: _to_wire(v) for k, v in value.items()}
+        items = {k: _mapped(v, convert) for k, v in value.items()}
         return items if any(items[k] is not value[k] for k in value) else value
     if isinstance(value, list | tuple):
-        converted = [_to_wire(v) for v in value]
+        converted = [_mapped(v, convert) for v in value]
         same = all(a is b for a, b in zip(converted, value))
         return value if same else type(value)(converted)
     return value
+
+
+def _to_wire(value: Any) -> Any:
+    """A plain record of ``value`` if it is a DTensor (its shard, placements, shape, and
+    its mesh's shape and names), else None."""
+    if not _is_dtensor(value):
+        return None
+    return {
+        _DTENSOR: value.to_local(),
+        "placements": list(value.placements),
+        "mesh": _mesh_key(value.device_mesh),
+        "shape": tuple(value.shape),
+        "stride": tuple(value.stride()),
+    }
 
 
 def _meshes(state: Mapping[str, Stateful]) -> dict[tuple[Any, ...], Any]:
@@ -132,32 +141,26 @@ def _meshes(state: Mapping[str, Stateful]) -> dict[tuple[Any, ...], Any]:
 
 
 def _from_wire(value: Any, meshes: dict[tuple[Any, ...], Any]) -> Any:
-    """``value`` with each record of :func:`_to_wire` made a DTensor on this process's mesh."""
-    if isinstance(value, dict) and _DTENSOR in value:
-        from torch.distributed.tensor import DTensor
+    """The DTensor on this process's mesh if ``value`` is a :func:`_to_wire` record, else
+    None."""
+    if not (isinstance(value, dict) and _DTENSOR in value):
+        return None
+    from torch.distributed.tensor import DTensor
 
-        mesh = meshes.get(tuple(value["mesh"]))
-        if mesh is None:
-            raise ValueError(
-                f"cannot load a DTensor on a mesh of shape {value['mesh'][0]} and dims "
-                f"{value['mesh'][1]}: the receiving state holds no DTensor on such a mesh"
-            )
-        return DTensor.from_local(
-            value[_DTENSOR],
-            mesh,
-            value["placements"],
-            run_check=False,
-            shape=torch.Size(value["shape"]),
-            stride=tuple(value["stride"]),
+    mesh = meshes.get(tuple(value["mesh"]))
+    if mesh is None:
+        raise ValueError(
+            f"cannot load a DTensor on a mesh of shape {value['mesh'][0]} and dims "
+            f"{value['mesh'][1]}: the receiving state holds no DTensor on such a mesh"
         )
-    if isinstance(value, dict):
-        items = {k: _from_wire(v, meshes) for k, v in value.items()}
-        return items if any(items[k] is not value[k] for k in value) else value
-    if isinstance(value, list | tuple):
-        converted = [_from_wire(v, meshes) for v in value]
-        same = all(a is b for a, b in zip(converted, value))
-        return value if same else type(value)(converted)
-    return value
+    return DTensor.from_local(
+        value[_DTENSOR],
+        mesh,
+        value["placements"],
+        run_check=False,
+        shape=torch.Size(value["shape"]),
+        stride=tuple(value["stride"]),
+    )
 
 
 def broadcast_state(
