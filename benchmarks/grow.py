@@ -2,7 +2,7 @@
 
 A :class:`~scopedmesh.testing.replicas.ReplicaJob` (the job's store in this
 process, each replica its own gloo world, restarted when one of its ranks dies)
-trains with :class:`~scopedmesh.mesh.replicas.Replicas`: a 4 MiB all-reduce per
+trains with :class:`~scopedmesh.fault.replicas.Replicas`: a 4 MiB all-reduce per
 step (``--numel`` floats) and a ``--pace`` sleep. Each time the job is at full
 shape, a random rank of a random replica other than 0 is SIGKILLed at a random
 moment; the job restarts that replica ``--restart-delay`` seconds later (1 s,
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh.c10d.store import ReplicaKeys, read
-from scopedmesh.mesh.membership import Decision
-from scopedmesh.mesh.replicas import Replicas
+from scopedmesh.fault.membership import Decision
+from scopedmesh.fault.replicas import Replicas
 from scopedmesh.testing.replicas import ReplicaJob
 
 KEYS = ReplicaKeys()

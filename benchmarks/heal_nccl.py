@@ -41,7 +41,7 @@ import torch.distributed as dist
 from benchmarks.heal_common import PHASES, Ranks, load, rank_reports, summary
 from scopedmesh import MeshClosedError, ProcessGroupMesh, reform
 from scopedmesh.c10d.nccl import check_error_handling
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
 
 NUMEL = 1 << 20  # 4 MiB of float32 per step
 # What every rank of a GPU world needs in its environment before torch makes an NCCL group.

@@ -39,8 +39,10 @@ from benchmarks.heal_common import (
     reference,
 )
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
+from scopedmesh.c10d.store import WATCH_ROOT as ROOT
 from scopedmesh.c10d.store import read
-from scopedmesh.mesh.watch import ROOT, Agreement, LivenessWatch, key_names
+from scopedmesh.fault.liveness.agreement import Agreement
+from scopedmesh.fault.liveness.watch import LivenessWatch, key_names
 
 SHAPE = (2, 2, 2)
 NAMES = ("dp", "pp", "tp")

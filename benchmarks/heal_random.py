@@ -2,7 +2,7 @@
 
 What :mod:`benchmarks.heal` runs. Each kill is a fresh world of forked gloo
 ranks (the store hosted by the launcher, as torchrun's agent hosts it) training
-one model on a guarded mesh (:class:`~scopedmesh.mesh.watch.LivenessWatch`,
+one model on a guarded mesh (:class:`~scopedmesh.fault.liveness.LivenessWatch`,
 20 ms). Every step ends with a 4 MiB ``all_reduce`` of the gradient along
 ``dp``, so a collective is in flight most of the time. Once every rank has
 done a few steps, the launcher waits a random fraction of a few steps' time
@@ -51,7 +51,7 @@ from benchmarks.heal_common import (
 )
 from benchmarks.heal_common import reference as small_reference
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
 
 BUCKET = 4 * 1024 * 1024 // 8  # float64 elements in the 4 MiB gradient bucket
 SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {

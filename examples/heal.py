@@ -7,7 +7,7 @@ At ``--leave-step`` the rank ``--leave-rank`` leaves with exit code 0, as a
 rank does when it honours a preemption notice. Its peers' next collective
 fails at once; every survivor checks in to the store, and after
 ``--agree-seconds`` they share one verdict on the lost ranks
-(``scopedmesh.mesh.heal.agree_on_lost``). They close the old mesh, drop the dp row
+(``scopedmesh.fault.heal.agree_on_lost``). They close the old mesh, drop the dp row
 that held the lost rank (its tp partner sits out and exits 0) and train on
 with one replica fewer. Rank 0 prints each step's loss next to the loss of
 plain data parallelism computed on one process, and the time from the death to
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh import ProcessGroupMesh
-from scopedmesh.mesh.heal import LostRankError, agree_on_lost, reform
+from scopedmesh.fault.heal import LostRankError, agree_on_lost, reform
 
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1
 

@@ -24,13 +24,13 @@ from scopedmesh.errors import (
 from scopedmesh.layout import MeshLayout
 
 if TYPE_CHECKING:
+    from scopedmesh.fault.heal import agree_on_lost, reform
+    from scopedmesh.fault.liveness import LivenessWatch
+    from scopedmesh.fault.replicas import Replicas
     from scopedmesh.layout.placement import node_aware_ranks
     from scopedmesh.layout.survivors import shrink
     from scopedmesh.mesh import ProcessGroupMesh
-    from scopedmesh.mesh.heal import agree_on_lost, reform
-    from scopedmesh.mesh.liveness import LivenessWatch
     from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
-    from scopedmesh.mesh.replicas import Replicas
 
 __all__ = [
     "AxisError",
@@ -57,10 +57,10 @@ __version__ = "0.1.1.dev0"
 _LAZY = MappingProxyType(
     {
         "ProcessGroupMesh": "scopedmesh.mesh",
-        "LivenessWatch": "scopedmesh.mesh.liveness",
-        "Replicas": "scopedmesh.mesh.replicas",
-        "agree_on_lost": "scopedmesh.mesh.heal",
-        "reform": "scopedmesh.mesh.heal",
+        "LivenessWatch": "scopedmesh.fault.liveness",
+        "Replicas": "scopedmesh.fault.replicas",
+        "agree_on_lost": "scopedmesh.fault.heal",
+        "reform": "scopedmesh.fault.heal",
         "node_aware_mesh": "scopedmesh.mesh.nodes",
         "world_nodes": "scopedmesh.mesh.nodes",
         "node_aware_ranks": "scopedmesh.layout.placement",

@@ -1,4 +1,4 @@
-"""The mesh layer: ``ProcessGroupMesh`` (its scopes, the group table they share), nodes, heal, interop.
+"""The mesh layer: ``ProcessGroupMesh`` (its scopes, the group table they share), nodes, interop.
 
 >>> from scopedmesh.mesh import ProcessGroupMesh
 >>> ProcessGroupMesh.__name__

@@ -64,7 +64,7 @@ class GroupTable:
     announces what it waits for and looks for a deadlock or a dead peer.
     ``liveness`` is the liveness watch guarding the mesh, if any: the one that
     says which peers are lost (:meth:`LivenessWatch.guard
-    <scopedmesh.mesh.watch.LivenessWatch.guard>` sets it). ``aborted`` says why
+    <scopedmesh.fault.liveness.LivenessWatch.guard>` sets it). ``aborted`` says why
     the table was aborted (:meth:`abort`), ``""`` while it is not.
     ``fresh_communicators`` says that the table's groups must not derive from
     WORLD's communicator (a healed mesh's: WORLD holds the lost ranks), so

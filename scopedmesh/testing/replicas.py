@@ -1,6 +1,6 @@
 """A local replicated job: one small world per replica, restarted when one of its ranks dies.
 
-:class:`ReplicaJob` hosts the job's store (the one :class:`~scopedmesh.mesh.replicas.Replicas`
+:class:`ReplicaJob` hosts the job's store (the one :class:`~scopedmesh.fault.replicas.Replicas`
 decides membership in, which outlives every replica) and, for each replica, a
 world of ``local`` ranks with a store of its own, as one torchrun agent per
 replica would (``--max-restarts``). When a rank of a replica ends without

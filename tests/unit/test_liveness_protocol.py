@@ -13,8 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from scopedmesh.c10d.store import WatchKeys
-from scopedmesh.mesh.liveness.deaths import CLOSED, DeathRecord
-from scopedmesh.mesh.watch import Agreement, LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
+from scopedmesh.fault.liveness.agreement import Agreement
+from scopedmesh.fault.liveness.deaths import CLOSED, DeathRecord
 
 WRITES = frozenset({"set", "add", "append", "compare_set", "multi_set", "delete_key"})
 

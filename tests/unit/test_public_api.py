@@ -62,8 +62,8 @@ def test_process_group_mesh_loads_torch_on_use() -> None:
 
 def test_replicas_loads_on_use() -> None:
     modules = _modules_after("from scopedmesh import Replicas")
-    assert "scopedmesh.mesh.replicas" in modules
-    assert "scopedmesh.mesh.replicas" not in _modules_after("import scopedmesh")
+    assert "scopedmesh.fault.replicas" in modules
+    assert "scopedmesh.fault.replicas" not in _modules_after("import scopedmesh")
 
 
 def test_layers_import_downward_only() -> None:

@@ -7,14 +7,11 @@ import socket
 
 import pytest
 
-from scopedmesh.mesh.watch import (
-    CLOSED,
-    UNREACHABLE,
-    UNREACHABLE_AFTER,
-    _deaths,
-    _keep_alive,
-    _reason,
-)
+from scopedmesh.fault.liveness.deaths import CLOSED, UNREACHABLE
+from scopedmesh.fault.liveness.deaths import parse_deaths as _deaths
+from scopedmesh.fault.liveness.ring import UNREACHABLE_AFTER
+from scopedmesh.fault.liveness.ring import keep_alive as _keep_alive
+from scopedmesh.fault.liveness.ring import reason_of as _reason
 
 
 @pytest.mark.parametrize(

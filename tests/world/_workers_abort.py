@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
 
 VICTIM = 3
 

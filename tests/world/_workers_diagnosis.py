@@ -19,8 +19,8 @@ from _workers_common import summed, wait_gone
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.diagnosis import process_key
 from scopedmesh.errors import GroupFormationError
+from scopedmesh.fault.liveness import LivenessWatch
 from scopedmesh.mesh import ProcessGroupMesh
-from scopedmesh.mesh.watch import LivenessWatch
 
 LONG = 120.0  # a mesh timeout the diagnosis must beat by far
 SWAPPED = 2.0  # swapped_with_barrier: rank 0 waits it out while rank 1 sits in a barrier

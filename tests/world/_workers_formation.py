@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from benchmarks.heal_common import Ranks
 from scopedmesh import LostRankError, ProcessGroupMesh, reform
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
 
 BUCKET = 1024 * 1024 // 8  # float64 elements of the dp all-reduce: a collective in flight
 

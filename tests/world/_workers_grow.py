@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh.c10d.store import read
+from scopedmesh.fault.replicas import Replicas
 from scopedmesh.mesh import ProcessGroupMesh
-from scopedmesh.mesh.replicas import Replicas
 
 LR = 0.05
 STOP, STEP = "test/stop", "test/step"  # with steps < 0: the step to stop at; the last step

@@ -24,8 +24,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from scopedmesh.c10d.store import read
+from scopedmesh.fault.replicas import Replicas
 from scopedmesh.mesh import ProcessGroupMesh
-from scopedmesh.mesh.replicas import Replicas
 
 
 def model_of() -> torch.nn.Module:

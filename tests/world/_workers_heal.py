@@ -24,8 +24,8 @@ from _workers_common import rss_kib
 from benchmarks.heal_common import Ranks
 from scopedmesh.c10d import closable as _closable
 from scopedmesh.c10d import groups as _c10d
+from scopedmesh.fault.heal import LostRankError, agree_on_lost, reform
 from scopedmesh.mesh import ProcessGroupMesh
-from scopedmesh.mesh.heal import LostRankError, agree_on_lost, reform
 
 NAMES = ("dp", "tp")
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
 
 
 def _meet(store: Any, key: str, count: int) -> None:

@@ -24,7 +24,7 @@ from _nccl_double import BACKEND, Log, register, wait_for
 
 from scopedmesh import ProcessGroupMesh
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
 
 VICTIM = 3
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.mesh.watch import LivenessWatch
+from scopedmesh.fault.liveness import LivenessWatch
 
 
 def _meet(store: Any, key: str, count: int, timeout: float = 60.0) -> None:

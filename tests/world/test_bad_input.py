@@ -308,7 +308,7 @@ def test_every_public_timeout_gets_the_same_answer(value: object) -> None:
     """The mesh, from_layout, world_nodes, node_aware_mesh, agree_on_lost and run_world share one check."""
     from scopedmesh import ProcessGroupMesh
     from scopedmesh.c10d.checks import check_timeout
-    from scopedmesh.mesh.heal import agree_on_lost
+    from scopedmesh.fault.heal import agree_on_lost
     from scopedmesh.mesh.nodes import node_aware_mesh, world_nodes
 
     with pytest.raises((TypeError, ValueError)) as expected:

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scopedmesh.c10d.store import ReplicaKeys, read
-from scopedmesh.mesh.membership import Decision, complete_joiners, propose
+from scopedmesh.fault.membership import Decision, complete_joiners, propose
 from scopedmesh.testing.replicas import ReplicaJob
 
 REPLICAS, LOCAL = 3, 2
@@ -108,7 +108,7 @@ def test_gloo_writes_one_address_per_member_where_replica_keys_say() -> None:
 
 
 def test_bad_arguments_are_refused_before_anything_is_written() -> None:
-    from scopedmesh.mesh.replicas import Replicas
+    from scopedmesh.fault.replicas import Replicas
 
     store = dist.HashStore()  # type: ignore[attr-defined]
     model = torch.nn.Linear(1, 1)

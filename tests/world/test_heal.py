@@ -158,7 +158,7 @@ def _reports_n(result: dict[str, Any], world: int) -> dict[int, dict[str, Any]]:
 
 
 def test_bad_input_is_rejected_before_any_store_request() -> None:
-    from scopedmesh.mesh.heal import agree_on_lost, reform
+    from scopedmesh.fault.heal import agree_on_lost, reform
 
     with pytest.raises(ValueError, match=r"rank must be one of ranks \[0, 1, 2, 3\], got 9"):
         agree_on_lost(range(4), 9, tag="t", timeout=1)

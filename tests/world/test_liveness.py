@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from scopedmesh.c10d.store import WatchKeys
-from scopedmesh.mesh.liveness.deaths import CLOSED, DeathRecord
+from scopedmesh.fault.liveness.deaths import CLOSED, DeathRecord
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_two_threads_learning_deaths_at_once_lose_neither() -> None:
 def test_a_failure_reported_while_the_last_one_is_raised_is_kept(one_rank: Any) -> None:
     """The thread reports a failure while a caller reads the previous one: the caller must
     not clear the new one with the old (it surfaces in the next query)."""
-    from scopedmesh.mesh.liveness.watch import LivenessWatch
+    from scopedmesh.fault.liveness.watch import LivenessWatch
 
     class SwitchOnRead(LivenessWatch):
         hook: Any = None

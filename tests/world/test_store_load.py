@@ -86,8 +86,7 @@ def test_an_agreement_poll_asks_1_request_per_member_whatever_the_size(members: 
     import torch.distributed as dist
 
     from scopedmesh.c10d.store import AgreementKeys
-    from scopedmesh.mesh.liveness.agreement import REREAD_EVERY
-    from scopedmesh.mesh.watch import Agreement
+    from scopedmesh.fault.liveness.agreement import REREAD_EVERY, Agreement
 
     store = dist.HashStore()
     ranks = list(range(members))

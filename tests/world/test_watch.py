@@ -510,7 +510,7 @@ def test_guard_refuses_a_mesh_on_worlds_stock_nccl_that_torchs_watchdog_would_en
     CPU: WORLD's backend reads as ``nccl``), guard() refuses until the launcher sets
     TORCH_NCCL_ASYNC_ERROR_HANDLING to 2 or 0, and never sets it itself."""
     from scopedmesh import LivenessWatch, ProcessGroupMesh
-    from scopedmesh.mesh.liveness import watch as watch_module
+    from scopedmesh.fault.liveness import watch as watch_module
 
     monkeypatch.setattr(watch_module.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setenv("TORCH_DIST_USE_NCCL2", "0")  # the stock backend on every release

@@ -56,15 +56,15 @@ import torch.distributed as dist
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import LostRankError, shown
-from scopedmesh.layout.ints import is_int
-from scopedmesh.mesh.membership import Decision, complete_joiners, propose
-from scopedmesh.mesh.state_transfer import (
+from scopedmesh.fault.membership import Decision, complete_joiners, propose
+from scopedmesh.fault.state_transfer import (
     Incoming,
     Outgoing,
     Stateful,
     Transfer,
     broadcast_state,
 )
+from scopedmesh.layout.ints import is_int
 
 __all__ = ["Replicas", "Stateful", "Transfer"]
 

@@ -10,7 +10,7 @@ kernel's keepalive probes within :data:`UNREACHABLE_AFTER` seconds.
 A :class:`Ring` owns one member's sockets: its listener, the connections its
 predecessors opened to it, its link to its successor, and a wake-up pair for
 the thread that reads them. End-of-file without a goodbye (``B``) is a death,
-declared in the :class:`~scopedmesh.mesh.liveness.deaths.DeathRecord`; then
+declared in the :class:`~scopedmesh.fault.liveness.deaths.DeathRecord`; then
 the ring links to the next member alive, so a second death is seen too.
 
 >>> import errno
@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from scopedmesh.c10d.store import WatchKeys, read
-from scopedmesh.mesh.liveness.deaths import CLOSED, UNREACHABLE, DeathRecord, parse_deaths
+from scopedmesh.fault.liveness.deaths import CLOSED, UNREACHABLE, DeathRecord, parse_deaths
 
 __all__ = [
     "CONNECT_SLICE",

@@ -2,10 +2,10 @@
 
 A :class:`LivenessWatch` is opt-in and held by the caller; while it runs, each
 process has one more thread (none before, none after). It composes the
-member's :class:`~scopedmesh.mesh.liveness.ring.Ring` (its sockets), its
-:class:`~scopedmesh.mesh.liveness.deaths.DeathRecord`, the
-:class:`~scopedmesh.mesh.liveness.guard.Guard` of the meshes it aborts, and
-the :class:`~scopedmesh.mesh.liveness.agreement.Agreement` that :meth:`agree`
+member's :class:`~scopedmesh.fault.liveness.ring.Ring` (its sockets), its
+:class:`~scopedmesh.fault.liveness.deaths.DeathRecord`, the
+:class:`~scopedmesh.fault.liveness.guard.Guard` of the meshes it aborts, and
+the :class:`~scopedmesh.fault.liveness.agreement.Agreement` that :meth:`agree`
 runs. Every watch polls the store's death counter: **one store request per
 rank per** ``interval`` (50 a second per rank at the default 20 ms), and
 reads the short list of deaths every 25 intervals.
@@ -38,13 +38,13 @@ from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
 from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read
 from scopedmesh.errors import LostRankError, shown
+from scopedmesh.fault.heal import reform
+from scopedmesh.fault.liveness.agreement import Agreement
+from scopedmesh.fault.liveness.deaths import UNREACHABLE, DeathRecord, parse_deaths
+from scopedmesh.fault.liveness.guard import Guard
+from scopedmesh.fault.liveness.ring import UNREACHABLE_AFTER, Ring
 from scopedmesh.layout import Axis
 from scopedmesh.layout.ints import is_int
-from scopedmesh.mesh.heal import reform
-from scopedmesh.mesh.liveness.agreement import Agreement
-from scopedmesh.mesh.liveness.deaths import UNREACHABLE, DeathRecord, parse_deaths
-from scopedmesh.mesh.liveness.guard import Guard
-from scopedmesh.mesh.liveness.ring import UNREACHABLE_AFTER, Ring
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
 __all__ = ["MAX_INTERVAL", "LivenessWatch", "check_interval", "key_names"]
