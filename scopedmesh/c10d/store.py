@@ -303,7 +303,7 @@ class WatchKeys:
     ('scopedmesh-watch/1/addr/3', 'scopedmesh-watch/1/lost', 'scopedmesh-watch/count/0')
     >>> keys.all([0], ["t", "t"])  # doctest: +NORMALIZE_WHITESPACE
     ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/deaths', 'scopedmesh-watch/1/lost',
-     'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/agree/t/decision',
+     'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/stops', 'scopedmesh-watch/1/agree/t/decision',
      'scopedmesh-watch/1/agree/t/in', 'scopedmesh-watch/1/agree/t/appended',
      'scopedmesh-watch/1/addr/0']
     """
@@ -336,6 +336,13 @@ class WatchKeys:
         """The tags of the agreements held (one per line, once per member), for the clean-up."""
         return f"{self.prefix}/tags"
 
+    @property
+    def stops(self) -> str:
+        """The steps a member's own exception stopped, as ``rank:count,`` entries (appended;
+        every watch then aborts its guarded meshes that hold that rank; the hint is
+        :attr:`deaths`)."""
+        return f"{self.prefix}/stops"
+
     def addr(self, rank: int) -> str:
         """``rank``'s ring listener (``host:port``); deleted when it leaves."""
         return f"{self.prefix}/addr/{rank}"
@@ -348,7 +355,7 @@ class WatchKeys:
         """Every key the watches under this prefix over ``ranks`` can leave, given their
         agreement ``tags`` (each once; empty ones skipped); the per-rank counters are not
         among them."""
-        keys = [self.closed, self.deaths, self.lost, self.tags]
+        keys = [self.closed, self.deaths, self.lost, self.tags, self.stops]
         for tag in dict.fromkeys(tag for tag in tags if tag):
             keys += self.agreement(tag).all()
         return keys + [self.addr(rank) for rank in ranks]

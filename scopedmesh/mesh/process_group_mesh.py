@@ -277,6 +277,15 @@ class ProcessGroupMesh:
             raise TypeError(f"because must be a non-empty str, got {shown(because)}")
         self._table.abort(because)
 
+    @property
+    def aborted(self) -> str:
+        """Why this mesh's tree was aborted (ends "... was shut down"); ``""`` while it is not.
+
+        Read it after a step's collectives to know whether an abort touched them
+        (on NCCL, a collective an abort cut short looks done).
+        """
+        return self._table.aborted
+
     def settle(self) -> None:
         """Close the aborted gloo groups whose collective has ended (``ClosableGroup.settle``)."""
         closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded by the first gloo group
@@ -467,7 +476,11 @@ class ProcessGroupMesh:
         self._table.check_not_aborted(self)
         ranks = self._members(axis, indices)
         backend_name = self._backend_name(check_backend(backend, "backend"))
-        options = self._pg_options if pg_options is None else pg_options
+        if pg_options is not None:
+            options = pg_options
+        else:  # the mesh's options are for its own backend's groups
+            own = backend is None or backend_name == self._backend_name(None)
+            options = self._pg_options if own else None
         key = (ranks, backend_name)
         if self._rank not in ranks:
             entry = Entry(key, None, options)

@@ -29,6 +29,7 @@ class Log:
         self.events: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
         self._timeout: timedelta | None = None  # read by DeviceMesh as backend options
+        self.looks_done = False  # whether an aborted collective looks done, as on NCCL
 
     def add(self, what: str, name: str) -> None:
         with self._lock:
@@ -75,6 +76,23 @@ class PendingWork(dist.Work):
         return RuntimeError("aborted") if self._aborted.is_set() else None
 
 
+class LooksDoneWork(PendingWork):
+    """What NCCL gives for a collective its abort cut short: the kernel exits early, and
+    ``wait()`` returns normally over whatever the cut left in the buffer."""
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() or 60.0
+        if not self._aborted.wait(seconds):
+            raise TimeoutError(f"the double's collective was not aborted within {seconds} s")
+        return True
+
+    def is_success(self) -> bool:
+        return self._aborted.is_set()
+
+    def exception(self) -> Any:
+        return None
+
+
 class RecordingGroup(dist.ProcessGroup):
     """One group of the double: records ``abort``; its collectives wait for it."""
 
@@ -94,6 +112,8 @@ class RecordingGroup(dist.ProcessGroup):
         self._aborted.set()
 
     def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
+        if self._log.looks_done:
+            return LooksDoneWork(self._aborted)
         return PendingWork(self._aborted)
 
     def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:

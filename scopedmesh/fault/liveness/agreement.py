@@ -11,6 +11,11 @@ short of a member or its decision short of a death.
 >>> one = Agreement(store, AgreementKeys("t"), [0], 0)
 >>> one.check_in(); one.poll(frozenset(), frozenset)
 frozenset()
+
+An agreement on a failed step carries each survivor's count of committed
+steps (``rank:alive/12``); the decision then holds the highest one
+(``lost:3;committed:12``), which a survivor left in doubt about its last step
+reads (:class:`~scopedmesh.fault.liveness.step.Step`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from scopedmesh.c10d.store import AgreementKeys, read
 
-__all__ = ["REREAD_EVERY", "Agreement", "accounted", "decision_of"]
+__all__ = ["REREAD_EVERY", "Agreement", "accounted", "committed_of", "decision_of"]
 
 
 REREAD_EVERY = 8  # polls: how often a poll reads the entries whatever the hint says
@@ -30,7 +35,7 @@ REREAD_EVERY = 8  # polls: how often a poll reads the entries whatever the hint 
 def accounted(text: str) -> dict[int, bool]:
     """The members an agreement's entries account for: rank -> whether any entry says lost.
 
-    >>> accounted("0:alive,3:lost,1:alive,3:alive,0:lost,")
+    >>> accounted("0:alive,3:lost,1:alive/4,3:alive,0:lost,")
     {0: True, 3: True, 1: False}
     """
     found: dict[int, bool] = {}
@@ -64,8 +69,17 @@ class Agreement:
     decision, and it holds every member any survivor accounted as lost.
     """
 
-    def __init__(self, store: Any, keys: AgreementKeys, members: list[int], rank: int) -> None:
+    def __init__(
+        self,
+        store: Any,
+        keys: AgreementKeys,
+        members: list[int],
+        rank: int,
+        *,
+        committed: int | None = None,
+    ) -> None:
         self.store, self.keys, self.members, self.rank = store, keys, members, rank
+        self.committed = committed  # steps this rank committed; the decision's highest, after
         self._accounted: set[int] = set()  # members this rank found or appended an entry for
         self._polls = 0
 
@@ -77,7 +91,7 @@ class Agreement:
 
     def check_in(self) -> None:
         """Account for this rank as alive (a survivor that saw it lost may have been first)."""
-        self._append(self.rank, "alive")
+        self._append(self.rank, "alive" if self.committed is None else f"alive/{self.committed}")
 
     def poll(
         self, lost: frozenset[int], read_deaths: Callable[[], frozenset[int]]
@@ -88,7 +102,8 @@ class Agreement:
         pending = lost.intersection(self.members).difference(self._accounted)
         if hint < len(self.members) and not pending and self._polls % REREAD_EVERY:
             return None
-        entries = accounted(read(self.store, self.keys.entries) or "")
+        text = read(self.store, self.keys.entries) or ""
+        entries = accounted(text)
         for rank in sorted(pending):
             if rank not in entries:  # a member with an entry is accounted for already
                 self._append(rank, "lost")
@@ -99,7 +114,11 @@ class Agreement:
         marked = {rank for rank, said_lost in entries.items() if said_lost}
         known = read_deaths().union(marked).intersection(self.members)
         proposal = "lost:" + ",".join(str(r) for r in sorted(known))
-        return decision_of(self.store.compare_set(self.keys.decision, "", proposal).decode())
+        if self.committed is not None:
+            proposal += f";committed:{max([self.committed, *committed_in(text)])}"
+        decision = self.store.compare_set(self.keys.decision, "", proposal).decode()
+        self.committed = committed_of(decision)
+        return decision_of(decision)
 
     def missing(self, lost: frozenset[int]) -> list[int]:
         """The members neither accounted for nor known lost (one read: for errors)."""
@@ -117,8 +136,7 @@ class Agreement:
     ) -> frozenset[int]:
         """Check in, then poll every ``interval`` until the decision; at most ``limit`` seconds.
 
-        ``lost`` answers the deaths known here (it raises if the watch broke),
-        ``read_deaths`` those the store lists. Raises ``TimeoutError`` naming
+        ``lost`` answers the deaths known here, ``read_deaths`` those the store lists. Raises ``TimeoutError`` naming
         the members still unaccounted for.
         """
         self.check_in()
@@ -138,9 +156,34 @@ class Agreement:
 
 
 def decision_of(text: str) -> frozenset[int]:
-    """The lost set a decision holds (``"lost:3,5"``).
+    """The lost set a decision holds (``"lost:3,5"``, or ``"lost:3,5;committed:7"``).
 
-    >>> sorted(decision_of("lost:3,5")), decision_of("lost:")
+    >>> sorted(decision_of("lost:3,5;committed:7")), decision_of("lost:")
     ([3, 5], frozenset())
     """
-    return frozenset(int(r) for r in text.removeprefix("lost:").split(",") if r)
+    lost = text.partition(";")[0].removeprefix("lost:")
+    return frozenset(int(r) for r in lost.split(",") if r)
+
+
+def committed_of(text: str) -> int | None:
+    """The highest count of committed steps a decision holds, or None if it holds none.
+
+    >>> committed_of("lost:3;committed:7"), committed_of("lost:3")
+    (7, None)
+    """
+    _, _, committed = text.partition(";committed:")
+    return int(committed) if committed else None
+
+
+def committed_in(text: str) -> list[int]:
+    """The counts of committed steps the check-ins on an agreement's list carry.
+
+    >>> committed_in("0:alive/7,3:lost,1:alive/8,2:alive,")
+    [7, 8]
+    """
+    counts = []
+    for item in text.split(","):
+        _, _, state = item.partition(":")
+        if state.startswith("alive/"):
+            counts.append(int(state.removeprefix("alive/")))
+    return counts

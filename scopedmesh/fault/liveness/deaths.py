@@ -11,6 +11,12 @@ a few intervals later, never lost. Learning a death (from a socket or from
 the store) records when and why, and hands the new deaths to whoever must act
 on them (the guard).
 
+A member whose own step raised posts a *stop* the same way: an entry
+``rank:attempt,`` appended to ``<prefix>/stops``, then the same hint. Every watch
+hands each stop it learns, once, to whoever aborts the meshes holding that
+rank, without counting the rank as lost: its step fails everywhere, and
+nobody waits for its collectives' timeout (:class:`~scopedmesh.fault.liveness.step.Step`).
+
 >>> parse_deaths("3:closed,5:unreachable,")
 {3: 'closed', 5: 'unreachable'}
 """
@@ -52,8 +58,16 @@ class DeathRecord:
     frozenset({3})
     """
 
-    def __init__(self, keys: WatchKeys, rank: int, on_new: Callable[[set[int]], None]) -> None:
+    def __init__(
+        self,
+        keys: WatchKeys,
+        rank: int,
+        on_new: Callable[[set[int]], None],
+        on_stop: Callable[[set[int]], None] | None = None,
+    ) -> None:
         self.keys, self.rank, self.on_new = keys, rank, on_new
+        self.on_stop = on_stop if on_stop is not None else on_new
+        self._stops_seen = 0  # entries of the stops list handed over already
         self.lost: frozenset[int] = frozenset()
         self.why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self.learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
@@ -91,11 +105,35 @@ class DeathRecord:
         self.learn(parse_deaths(read(store, self.keys.lost) or ""))
         return self.lost
 
+    def stop(self, store: Any, count: int) -> None:
+        """Post that this rank's step raised in attempt ``count`` (one append, then the hint)."""
+        store.append(self.keys.stops, f"{self.rank}:{count},")
+        store.add(self.keys.deaths, 1)
+
+    def first_stop(self, store: Any, count: int) -> int | None:
+        """The rank whose stop of ``count`` was posted first, or None (one request)."""
+        for item in (read(store, self.keys.stops) or "").split(","):
+            rank, _, posted = item.partition(":")
+            if posted and int(posted) == count:
+                return int(rank)
+        return None
+
+    def read_stops(self, store: Any) -> None:
+        """Hand the stops posted since the last read to ``on_stop`` (one request)."""
+        entries = [item for item in (read(store, self.keys.stops) or "").split(",") if item]
+        with self._lock:
+            new, self._stops_seen = entries[self._stops_seen :], max(self._stops_seen, len(entries))
+        ranks = {int(item.partition(":")[0]) for item in new}
+        if ranks:
+            self.on_stop(ranks)
+
     def poll(self, store: Any, seen: int) -> int:
         """Learn the store's deaths if its counter moved from ``seen`` (one request; one
         more then, and every :data:`REREAD_EVERY` polls); the counter's value."""
         self._polls += 1
         count = int(store.add(self.keys.deaths, 0))
+        if count != seen:
+            self.read_stops(store)
         if count != seen or self._polls % REREAD_EVERY == 0:
             self.read(store)
         return count

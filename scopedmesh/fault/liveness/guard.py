@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -41,15 +41,20 @@ class Guard:
         mesh: ProcessGroupMesh,
         liveness: Liveness,
         thread: threading.Thread,
-        lost: frozenset[int],
+        lost: Callable[[], frozenset[int]],
     ) -> None:
         """Guard ``mesh`` for ``liveness`` (whose ``thread`` has store clients of its own);
-        abort it at once if it holds a rank in ``lost``."""
+        abort it at once if it holds a rank in ``lost()``.
+
+        ``lost()`` is read once ``mesh`` is registered: a death learned before that
+        is in it, one learned after hits the registered mesh (:meth:`hit`), so
+        none falls between the two.
+        """
         self._warn_if_not_closable()
         self.meshes = (*[m for m in self.meshes if not m.closed], mesh)
         mesh.set_liveness(liveness, thread)  # formations ask it; never uses torch's client
         self.settle()
-        dead = lost.intersection(mesh.layout.ranks)
+        dead = lost().intersection(mesh.layout.ranks)
         if dead:
             self._abort(mesh, dead)
 
@@ -60,6 +65,14 @@ class Guard:
             hit = new.intersection(mesh.layout.ranks)
             if hit and not mesh.closed:
                 self._abort(mesh, hit)
+
+    def stop(self, ranks: Iterable[int]) -> None:
+        """Abort the open guarded meshes that hold a rank of ``ranks``, whose step raised."""
+        ranks = set(ranks)
+        for mesh in self.meshes:
+            hit = sorted(ranks.intersection(mesh.layout.ranks))
+            if hit and not mesh.closed:
+                mesh.abort(f"when rank(s) {hit} stopped the step (an exception in it)")
 
     def aborted_at(self, rank: int) -> float | None:
         """``time.time()`` when the guarded meshes holding ``rank`` were aborted, or None."""

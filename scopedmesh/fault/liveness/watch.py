@@ -43,6 +43,7 @@ from scopedmesh.fault.liveness.agreement import Agreement
 from scopedmesh.fault.liveness.deaths import UNREACHABLE, DeathRecord, parse_deaths
 from scopedmesh.fault.liveness.guard import Guard
 from scopedmesh.fault.liveness.ring import UNREACHABLE_AFTER, Ring
+from scopedmesh.fault.liveness.step import Step
 from scopedmesh.layout import Axis
 from scopedmesh.layout.ints import is_int
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
@@ -147,8 +148,11 @@ class LivenessWatch:
         self.prefix = f"{WATCH_ROOT}/{self._store.add(WatchKeys.counter(self.rank), 1)}"
         self.keys = WatchKeys(self.prefix)
         self._guard = Guard()
-        self._record = DeathRecord(self.keys, self.rank, self._guard.hit)
+        self._record = DeathRecord(self.keys, self.rank, self._guard.hit, self._guard.stop)
         self._events = 0
+        self._tags: set[str] = set()  # the agreements this watch took part in
+        self.committed = 0  # the steps (:meth:`step`) committed through this watch
+        self._stepped = False  # whether step() was used: close() then leaves its count
         self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
         self._stopped = False  # whether the thread ended other than by close()
         self._failure_lock = threading.Lock()  # the thread reports, a caller takes
@@ -250,8 +254,40 @@ class LivenessWatch:
         check_error_handling(mesh.backend or dist.get_backend(), os.environ)  # None: WORLD's
         self._check_open()
         self._check_thread()
-        self._guard.add(mesh, self, self._thread, self._record.lost)
+        self._guard.add(mesh, self, self._thread, lambda: self._record.lost)
         return mesh
+
+    def step(self, mesh: ProcessGroupMesh, axis: Axis) -> Step:
+        """One training step on guarded ``mesh``, counted on every member or on none.
+
+        ``with watch.step(mesh, "dp") as step:`` runs the step's collectives;
+        after the block, ``step.committed`` is the verdict, the same on every
+        surviving member, and ``step.mesh`` the mesh to go on with (``mesh``,
+        or the survivors' mesh re-formed along ``axis``). Apply the step's
+        update only if it committed; otherwise redo the step on ``step.mesh``.
+        See :class:`~scopedmesh.fault.liveness.step.Step`.
+        """
+        if not isinstance(mesh, ProcessGroupMesh):
+            raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
+        mesh.layout.axis_index(axis)  # an unknown axis is named before the step runs
+        self._check_open()
+        self._members_of(mesh)
+        self._stepped = True
+        return Step(self, mesh, axis)
+
+    def _post_stop(self, attempt: int) -> None:
+        """Tell every member's watch that this rank's step raised (two requests); ``attempt``
+        numbers the step's attempt (the watch's count of agreements, alike on every member)."""
+        self._record.stop(self._store, attempt)
+
+    def _first_stop(self, attempt: int) -> int | None:
+        """The rank that posted the first stop of ``attempt``, or None (one request)."""
+        return self._record.first_stop(self._store, attempt)
+
+    def _agree_on_step(self, mesh: ProcessGroupMesh) -> tuple[frozenset[int], int]:
+        """Agree on ``mesh``'s lost ranks and on the members' highest count of committed steps."""
+        lost, committed = self._agree(mesh, None, None, self.committed)
+        return lost, self.committed if committed is None else committed
 
     # ------------------------------------------------------------------ agreement
 
@@ -277,6 +313,17 @@ class LivenessWatch:
         watch's), then raises ``TimeoutError`` naming the ranks still
         unaccounted for.
         """
+        return self._agree(mesh, tag, timeout, None)[0]
+
+    def _agree(
+        self,
+        mesh: ProcessGroupMesh | None,
+        tag: str | None,
+        timeout: timedelta | float | None,
+        committed: int | None,
+    ) -> tuple[frozenset[int], int | None]:
+        """:meth:`agree`, carrying this rank's count of ``committed`` steps (None: none);
+        the lost set and the members' highest count."""
         self._check_open()
         self._check_thread()
         if mesh is not None and not isinstance(mesh, ProcessGroupMesh):
@@ -285,12 +332,22 @@ class LivenessWatch:
         if tag is None:
             tag = f"event{self._events}"
         check_tag(tag)
+        if tag in self._tags:
+            raise ValueError(
+                f"tag {tag!r} was used by an earlier agreement of this watch, whose decision "
+                "stands; give each agreement a new tag (or none: the watch counts them)"
+            )
         members = self._members_of(mesh)
         self._events += 1
+        self._tags.add(tag)
         self._store.append(self.keys.tags, tag + "\n")
-        agreement = Agreement(self._store, self.keys.agreement(tag), members, self.rank)
+        agreement = Agreement(
+            self._store, self.keys.agreement(tag), members, self.rank, committed=committed
+        )
+        # Deaths as known here, never raising: a failure of the thread that it survives is
+        # raised by the next query, not in the middle of an agreement this rank checked in to.
         decision = agreement.decide(
-            self.lost,
+            lambda: self._record.lost,
             lambda: self._record.read(self._store),
             interval=self._interval,
             limit=limit.total_seconds(),
@@ -301,7 +358,7 @@ class LivenessWatch:
                 f"rank {self.rank} was declared lost (lost ranks {sorted(decision)}): its "
                 "connections closed; it must not join the re-formed mesh"
             )
-        return decision
+        return decision, agreement.committed
 
     def _members_of(self, mesh: ProcessGroupMesh | None) -> list[int]:
         """The ranks an agreement over ``mesh`` (None: the watch's) settles, or an error."""
@@ -431,6 +488,8 @@ class LivenessWatch:
         store = self._store
         with contextlib.suppress(Exception):
             store.set_timeout(_time_left(deadline))
+            if self._stepped:
+                self._leave_count()
             store.delete_key(self.keys.addr(self.rank))  # a late connector sees "left"
         self._ring.wake()
         self._thread.join(_time_left(deadline).total_seconds())
@@ -442,6 +501,17 @@ class LivenessWatch:
             self._clean_up()
         finally:
             self._store = self._ring.store = None  # closes both connections
+
+    def _leave_count(self) -> None:
+        """Check in to the agreement this rank would take part in next, with its count of
+        committed steps: a peer left in doubt about the last step (its vote was cut short)
+        learns from it whether that step committed, instead of waiting for this rank."""
+        tag = f"event{self._events}"
+        if tag in self._tags:
+            return
+        self._store.append(self.keys.tags, tag + "\n")
+        keys = self.keys.agreement(tag)
+        Agreement(self._store, keys, [self.rank], self.rank, committed=self.committed).check_in()
 
     def _clean_up(self) -> None:
         """The last member to close (the lost ones never will) deletes the watch's keys.
@@ -459,8 +529,11 @@ class LivenessWatch:
             return
         tags = read(store, keys.tags)
         doomed = [keys.closed, keys.deaths]
+        stops = read(store, keys.stops)
         doomed += [
-            key for key, text in ((keys.lost, deaths), (keys.tags, tags)) if text is not None
+            key
+            for key, text in ((keys.lost, deaths), (keys.tags, tags), (keys.stops, stops))
+            if text is not None
         ]
         for tag in dict.fromkeys(tag for tag in (tags or "").split("\n") if tag):
             doomed += keys.agreement(tag).all()
