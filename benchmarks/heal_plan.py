@@ -38,7 +38,7 @@ from benchmarks.heal_common import (
     rank_reports,
     reference,
 )
-from scopedmesh import LostRankError, ProcessGroupMesh, reform
+from scopedmesh import LostRankError, ProcessGroupMesh
 from scopedmesh.c10d.store import WATCH_ROOT as ROOT
 from scopedmesh.c10d.store import read
 from scopedmesh.fault.liveness.agreement import Agreement
@@ -65,8 +65,9 @@ def _tp_sum(part: torch.Tensor, tp: dist.ProcessGroup | None) -> torch.Tensor:
     return part + (full - part.detach())  # the tp sum, with the gradient of the local part
 
 
-def train_step(mesh: ProcessGroupMesh, w: torch.Tensor, step: int) -> float:
-    """One step: stage 0 -> stage 1 over pp, tp sums within a stage, dp averages; the loss."""
+def train_step(mesh: ProcessGroupMesh, w: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
+    """One step: stage 0 -> stage 1 over pp, tp sums within a stage, dp averages; the update
+    to subtract from ``w`` (once the step has committed) and the loss."""
     dp, pp, tp = (mesh.get_group_along_axis(a) for a in NAMES)
     stage, replicas = mesh.coordinate("pp"), mesh.size("dp")
     x, y = batch(step, mesh.coordinate("dp"), replicas)
@@ -96,11 +97,30 @@ def train_step(mesh: ProcessGroupMesh, w: torch.Tensor, step: int) -> float:
     packed = torch.cat([shard.grad.flatten(), back[-1:]])
     dist.all_reduce(packed, group=dp)
     packed /= replicas
-    w -= LR * packed[:-1].reshape(w.shape)
-    return float(packed[-1])
+    return LR * packed[:-1].reshape(w.shape), float(packed[-1])
 
 
 # ============================================================ one rank
+
+
+def _before_agreeing(
+    plan: dict[str, Any],
+    rank: int,
+    watch: LivenessWatch,
+    mesh: ProcessGroupMesh,
+    store: Any,
+    report: dict[str, Any],
+    outdir: str,
+) -> None:
+    """What the plan has a rank do between its step's failure and the step's agreement:
+    die once checked in to it (``die_checked_in``), or be slow to arrive (``slow_agree``)."""
+    if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
+        # Checked in by the agreement's own protocol (what the step's exit does first).
+        keys = watch.keys.agreement(f"event{watch._events}")
+        members = sorted(mesh.layout.ranks)
+        Agreement(store, keys, members, rank, committed=watch.committed).check_in()
+        _die(report, outdir, rank)
+    time.sleep(plan.get("slow_agree", {}).get(str(rank), 0))
 
 
 def _fds() -> set[tuple[str, str]]:
@@ -145,7 +165,6 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     mesh.create_groups(*NAMES)
     dist.barrier()  # every watch is linked, every group formed
     w = my_shard(mesh)
-    starts = (w.clone(), w.clone())
     steps = plan["steps"]
     kill = {int(r): s for r, s in plan.get("kill", {}).items()}
     sleep = {int(r): v for r, v in plan.get("sleep", {}).items()}
@@ -155,66 +174,51 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     events: list[dict[str, Any]] = []
     step = 0
     while step < steps:
+        if kill.get(rank) == step:
+            _die(report, outdir, rank)
+        if rank in sleep and sleep[rank][0] == step:
+            time.sleep(sleep[rank][1])
+        if rank in busy and busy[rank][0] == step:
+            end = time.monotonic() + busy[rank][1]
+            while time.monotonic() < end:
+                pass
+        if stop is not None and rank == 0 and stop[1] == step:
+            pid = int(store.get(f"bench/pid/{stop[0]}"))
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stop[2])
+            os.kill(pid, signal.SIGCONT)
+        failure: dict[str, Any] = {"step": step}
         try:
-            while step < steps:
-                if kill.get(rank) == step:
-                    _die(report, outdir, rank)
-                if rank in sleep and sleep[rank][0] == step:
-                    time.sleep(sleep[rank][1])
-                if rank in busy and busy[rank][0] == step:
-                    end = time.monotonic() + busy[rank][1]
-                    while time.monotonic() < end:
-                        pass
-                if stop is not None and rank == 0 and stop[1] == step:
-                    pid = int(store.get(f"bench/pid/{stop[0]}"))
-                    os.kill(pid, signal.SIGSTOP)
-                    time.sleep(stop[2])
-                    os.kill(pid, signal.SIGCONT)
-                starts = (starts[1], w.clone())  # the weights at the last two step starts
-                loss = train_step(mesh, w, step)
-                losses.append([step, loss])
-                if events and "first_step_at" not in events[-1]:
-                    events[-1]["first_step_at"] = time.time()
-                step += 1
-        except RuntimeError as error:
-            event: dict[str, Any] = {
-                "step": step,
-                "error_at": time.time(),
-                "type": type(error).__name__,
-                "message": str(error)[:300],
-            }
+            with watch.step(mesh, "dp") as verdict:
+                try:
+                    update, loss = train_step(mesh, w, step)
+                except RuntimeError as error:  # a peer died, or the watch aborted the mesh
+                    failure.update(error_at=time.time(), type=type(error).__name__)
+                    failure["message"] = str(error)[:300]
+                    _before_agreeing(plan, rank, watch, mesh, store, report, outdir)
+                    raise
+                failure["error_at"] = time.time()  # the vote (and any doubt) comes next
+        except LostRankError as sat_out:
+            events.append({**failure, "lost": sorted(verdict.lost), "sat_out": str(sat_out)[:200]})
+            events[-1]["accounted"] = _accounted(store, watch, mesh)
+            break
+        if verdict.healed:
+            event = {**failure, "agreed_at": time.time(), "lost": sorted(verdict.lost)}
+            # How each member was accounted for, read before the last watch to close
+            # deletes the agreement's keys.
+            event["accounted"] = _accounted(store, watch, mesh)
+            mesh = verdict.mesh
+            mesh.create_groups(*NAMES)
+            event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
             events.append(event)
-            # The same on every survivor: survivors can fail at different steps (a step's
-            # last messages from the dead rank may be lost on some peers, not others).
-            tag = f"event{len(events)}"
-            store.set(f"bench/{tag}/failed/{rank}", str(step))
-            keys = watch.keys.agreement(tag)
-            if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
-                # Checked in by the agreement's own protocol (what agree() does first).
-                Agreement(store, keys, sorted(mesh.layout.ranks), rank).check_in()
-                _die(report, outdir, rank)
-            time.sleep(plan.get("slow_agree", {}).get(str(rank), 0))
-            try:
-                lost = watch.agree(mesh, tag=tag)
-                # How each member was accounted for, read before the last watch to close
-                # deletes the agreement's keys.
-                event["accounted"] = {r: accounted_as(store, keys, r) for r in mesh.layout.ranks}
-                event["agreed_at"], event["lost"] = time.time(), sorted(lost)
-                mesh = watch.guard(reform(mesh, lost, "dp"))
-                mesh.create_groups(*NAMES)
-                event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
-                # Resume from the earliest step a survivor failed at: a rank one step
-                # ahead takes back the weights it had at that step's start.
-                failed = [int(store.get(f"bench/{tag}/failed/{r}")) for r in mesh.layout.ranks]
-                resume = min(failed)
-                if step - resume > 1:
-                    raise RuntimeError(f"survivors failed at steps {failed}: more than one apart")
-                w.copy_(starts[0] if resume < step else w)
-                losses = [entry for entry in losses if entry[0] < resume]
-                event["resume"] = step = resume
-            except LostRankError as sat_out:
-                event["sat_out"] = str(sat_out)[:200]
-                break
+        if verdict.committed:  # the step counts on every member: apply it
+            w -= update
+            losses.append([step, loss])
+            step += 1
+            if events and "first_step_at" not in events[-1] and not verdict.healed:
+                events[-1]["first_step_at"] = time.time()
+        if verdict.healed:
+            events[-1]["resume"] = step
     mesh.close()
     report["losses"] = losses
     report["events"] = events
@@ -241,6 +245,12 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     return report
 
 
+def _accounted(store: Any, watch: LivenessWatch, mesh: ProcessGroupMesh) -> dict[int, str | None]:
+    """How the step's agreement (the watch's latest) accounted for each rank of ``mesh``."""
+    keys = watch.keys.agreement(f"event{watch._events - 1}")
+    return {r: accounted_as(store, keys, r) for r in mesh.layout.ranks}
+
+
 def accounted_as(store: Any, keys: Any, rank: int) -> str | None:
     """How agreement ``keys`` accounted for ``rank``: ``"alive"`` (it checked in itself),
     ``"lost"`` (a survivor did), or None (not yet). Reads either protocol's keys: one
@@ -248,7 +258,11 @@ def accounted_as(store: Any, keys: Any, rank: int) -> str | None:
     entries = getattr(keys, "entries", None)
     if entries is not None:
         items = (read(store, entries) or "").split(",")
-        states = {state for r, _, state in (i.partition(":") for i in items) if r == str(rank)}
+        states = {
+            state.partition("/")[0]  # a step's check-in carries its count: "alive/3"
+            for r, _, state in (i.partition(":") for i in items)
+            if r == str(rank)
+        }
         return "alive" if "alive" in states else ("lost" if states else None)
     value = read(store, keys.slot(rank))
     return None if value is None else value.partition(":")[0]

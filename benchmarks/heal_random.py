@@ -7,9 +7,10 @@ one model on a guarded mesh (:class:`~scopedmesh.fault.liveness.LivenessWatch`,
 ``dp``, so a collective is in flight most of the time. Once every rank has
 done a few steps, the launcher waits a random fraction of a few steps' time
 and SIGKILLs a random rank: wherever it is, inside a collective or between two.
-The survivors raise, agree on the lost set, re-form without the dead rank's
-``dp`` slice, roll back to the step the earliest of them failed in, and train
-on. Their losses and weights must then equal plain data parallelism computed
+Each step runs in ``watch.step(mesh, "dp")``: the survivors' step fails on
+every one of them (or, if the death came after every vote, commits on every
+one), they agree on the lost set, re-form without the dead rank's ``dp``
+slice, apply the step only where it committed, and train on. Their losses and weights must then equal plain data parallelism computed
 here, with one replica fewer from that step on.
 
 The model (float64): two linear layers, ``w1`` (8 x 8) and ``w2`` (4 x 8),
@@ -50,7 +51,7 @@ from benchmarks.heal_common import (
     rank_reports,
 )
 from benchmarks.heal_common import reference as small_reference
-from scopedmesh import LostRankError, ProcessGroupMesh, reform
+from scopedmesh import LostRankError, ProcessGroupMesh
 from scopedmesh.fault.liveness import LivenessWatch
 
 BUCKET = 4 * 1024 * 1024 // 8  # float64 elements in the 4 MiB gradient bucket
@@ -234,7 +235,6 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     """Train until ``after`` steps past a heal (or ``max_steps``); report times and results."""
     shape, names = tuple(plan["shape"]), tuple(plan["names"])
     status = Status(Path(outdir, "status"), world)
-    store = dist.distributed_c10d._get_default_store()
     report: dict[str, Any] = {"rank": rank}
     watch = LivenessWatch(interval=plan["interval"], timeout=plan["agree_timeout"])
     mesh = watch.guard(ProcessGroupMesh(*shape, names=names, timeout=plan["timeout"]))
@@ -242,7 +242,6 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     dist.barrier()  # every watch linked, every group formed
     sizes, coords = _tp_pp_dp(mesh)
     weights = initial(sizes, coords)
-    history: dict[int, Weights] = {}
     losses: list[list[float]] = []
     events: list[dict[str, Any]] = []
     step, after = 0, 0
@@ -257,53 +256,43 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
         where[0] = "compute"
         status.set(rank, step, "compute")
 
-    while True:
+    while step < plan["max_steps"] and not (events and after >= plan["after"]):
+        status.set(rank, step, "compute")
+        failure: dict[str, Any] = {}
         try:
-            while step < plan["max_steps"] and not (events and after >= plan["after"]):
-                history[step] = weights.copy()
-                history.pop(step - 8, None)
-                status.set(rank, step, "compute")
-                bucket, _ = gradients(weights, step, sizes, coords, reduce)
-                reduce(bucket, "dp")
-                loss = apply(weights, bucket, sizes["dp"])
-                losses.append([step, loss])
-                step += 1
-                if events:
-                    events[-1].setdefault("first_step_at", time.time())
-                    after += 1
+            with watch.step(mesh, "dp") as verdict:
+                try:
+                    bucket, _ = gradients(weights, step, sizes, coords, reduce)
+                    reduce(bucket, "dp")
+                except RuntimeError as error:  # a peer died, or the watch aborted the mesh
+                    failure.update(error_at=time.time(), type=type(error).__name__)
+                    failure.update(message=str(error)[:300])
+                    raise
+                failure.update(error_at=time.time())  # the vote and its doubt come next
+        except LostRankError as sat_out:
+            lost = sorted(verdict.lost)  # agreed on before the re-formed mesh left it out
+            events.append({"step": step, "in": where[0], **failure, "lost": lost})
+            events[-1]["sat_out"] = str(sat_out)[:200]
             break
-        except RuntimeError as error:
+        mesh = verdict.mesh
+        if verdict.healed:
             status.set(rank, step, "healing")
-            event: dict[str, Any] = {
-                "step": step,
-                "error_at": time.time(),
-                "in": where[0],
-                "type": type(error).__name__,
-                "message": str(error)[:300],
-            }
+            event: dict[str, Any] = {"step": step, "in": where[0], **failure}
+            event["agreed_at"], event["lost"] = time.time(), sorted(verdict.lost)
+            mesh.create_groups(*names)
+            event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
             events.append(event)
-            tag = f"event{len(events)}"
-            store.set(f"bench/{tag}/failed/{rank}", str(step))
-            try:
-                lost = watch.agree(mesh, tag=tag)
-                event["agreed_at"], event["lost"] = time.time(), sorted(lost)
-                mesh = watch.guard(reform(mesh, lost, "dp"))
-                mesh.create_groups(*names)
-                event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
-                sizes, coords = _tp_pp_dp(mesh)
-                # Resume from the earliest step a survivor failed in: a rank ahead takes
-                # back the weights it had at that step's start.
-                failed = [int(store.get(f"bench/{tag}/failed/{r}")) for r in mesh.layout.ranks]
-                resume = min(failed)
-                if resume not in history:
-                    raise RuntimeError(f"survivors failed at steps {failed}: too far apart")
-                weights = history[resume].copy()
-                losses = [entry for entry in losses if entry[0] < resume]
-                event["resume"] = step = resume
-                after = 0
-            except LostRankError as sat_out:
-                event["sat_out"] = str(sat_out)[:200]
-                break
+        if verdict.committed:  # the step counts on every member: apply it
+            loss = apply(weights, bucket, sizes["dp"])
+            losses.append([step, loss])
+            step += 1
+        if verdict.healed:
+            events[-1]["resume"] = step
+            sizes, coords = _tp_pp_dp(mesh)
+            after = 0
+        elif events and verdict.committed:
+            events[-1].setdefault("first_step_at", time.time())
+            after += 1
     status.set(rank, step, "done")
     mesh.close()
     report["losses"] = losses

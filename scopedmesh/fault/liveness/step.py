@@ -28,7 +28,8 @@ How the verdict is reached, at the block's end, on each member:
    re-formed along ``axis`` around the lost ranks and guarded.
 
 A member whose block raised posts a *stop* through the watch and aborts the
-mesh, so every member's collectives with it fail at once instead of waiting
+mesh (a ``RuntimeError``, a collective's error, first waits up to
+:data:`STOP_GRACE` for the watch to learn of a death behind it), so every member's collectives with it fail at once instead of waiting
 for their timeout (on NCCL too): every member then agrees, re-forms the mesh
 (with no rank lost, the same shape), and the exception is raised on the member
 that raised it, after the others know. A ``RuntimeError`` (a collective's
@@ -43,6 +44,7 @@ verdict is known everywhere.
 
 from __future__ import annotations
 
+import time
 from types import TracebackType
 from typing import Protocol
 
@@ -53,9 +55,10 @@ from scopedmesh.fault.heal import reform
 from scopedmesh.layout import Axis
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
-__all__ = ["Step", "StepWatch"]
+__all__ = ["STOP_GRACE", "Step", "StepWatch"]
 
 _OK, _FAILED = 0, 1  # a member's flag in the vote
+STOP_GRACE = 0.25  # seconds a collective's error waits for the watch to learn of a death
 
 
 class StepWatch(Protocol):
@@ -112,6 +115,8 @@ class Step:
         if exc is not None and not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: not a step's failure
         attempt = watch._events  # the same on every member: each failed step agrees once
+        if isinstance(exc, RuntimeError):  # a collective's error: is a death behind it?
+            _await_abort(mesh, STOP_GRACE)
         if exc is not None and not mesh.aborted:  # maybe its first cause: tell every member
             watch._post_stop(attempt)  # before this rank's sockets close, so it is first
             mesh.abort(f"when rank {watch.rank}'s step raised {type(exc).__name__}")
@@ -154,6 +159,13 @@ class Step:
     def __repr__(self) -> str:
         verdict = {None: "running", True: "committed", False: "failed"}[self.committed]
         return f"<Step on {self.mesh!r}: {verdict}>"
+
+
+def _await_abort(mesh: ProcessGroupMesh, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``mesh`` to be aborted (the watch learning of a death)."""
+    deadline = time.monotonic() + seconds
+    while not mesh.aborted and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _vote_backend(mesh: ProcessGroupMesh) -> str | None:
