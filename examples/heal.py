@@ -4,14 +4,15 @@
     torchrun --standalone --nproc_per_node=8 examples/heal.py --shape 4 2 --leave-rank 5
 
 At ``--leave-step`` the rank ``--leave-rank`` leaves with exit code 0, as a
-rank does when it honours a preemption notice. Its peers' next collective
-fails at once; every survivor checks in to the store, and after
-``--agree-seconds`` they share one verdict on the lost ranks
-(``scopedmesh.fault.heal.agree_on_lost``). They close the old mesh, drop the dp row
-that held the lost rank (its tp partner sits out and exits 0) and train on
-with one replica fewer. Rank 0 prints each step's loss next to the loss of
-plain data parallelism computed on one process, and the time from the death to
-the first step on the re-formed mesh.
+rank does when it honours a preemption notice. Every rank runs a
+:class:`~scopedmesh.LivenessWatch` guarding the mesh, and each step in
+``watch.step(mesh, "dp")``: the watch learns of the death from the leaver's
+closed sockets and aborts the mesh, the step fails on every survivor (none
+applies its update), they agree on the lost ranks, drop the dp row that held
+the lost rank (its tp partner sits out and exits 0) and redo the step with one
+replica fewer. Rank 0 prints each step's loss next to the loss of plain data
+parallelism computed on one process, and the time from the death to the first
+step on the re-formed mesh.
 
 Under torchrun, a worker that *crashes* (non-zero exit, a signal) makes the
 agent stop every other local worker, and restart them all if ``--max-restarts``
@@ -27,8 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from scopedmesh import ProcessGroupMesh
-from scopedmesh.fault.heal import LostRankError, agree_on_lost, reform
+from scopedmesh import LivenessWatch, LostRankError, ProcessGroupMesh
 
 IN, OUT, BATCH, LR = 8, 4, 8, 0.1
 
@@ -70,8 +70,13 @@ def reference(steps: int, replicas: list[int]) -> list[float]:
     return losses
 
 
-def train_step(mesh: ProcessGroupMesh, w_shard: torch.Tensor, step: int) -> float:
-    """tp shards the input features (one all_reduce of the output); dp averages the gradients."""
+def train_step(
+    mesh: ProcessGroupMesh, w_shard: torch.Tensor, step: int
+) -> tuple[torch.Tensor, float]:
+    """tp shards the input features (one all_reduce of the output); dp averages the gradients.
+
+    Returns the update to subtract from ``w_shard`` once the step has committed, and the loss.
+    """
     tp, dp = mesh.get_group_along_axis("tp"), mesh.get_group_along_axis("dp")
     width = IN // mesh.size("tp")
     lo = mesh.coordinate("tp") * width
@@ -86,8 +91,7 @@ def train_step(mesh: ProcessGroupMesh, w_shard: torch.Tensor, step: int) -> floa
     packed = torch.cat([shard.grad.flatten(), loss.detach().reshape(1)])
     dist.all_reduce(packed, group=dp)
     packed /= mesh.size("dp")
-    w_shard -= LR * packed[:-1].reshape(w_shard.shape)
-    return float(packed[-1])
+    return LR * packed[:-1].reshape(w_shard.shape), float(packed[-1])
 
 
 def main() -> None:
@@ -97,50 +101,53 @@ def main() -> None:
     parser.add_argument("--leave-rank", type=int, default=3)
     parser.add_argument("--leave-step", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=5.0, help="collective timeout, s")
-    parser.add_argument("--agree-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--agree-seconds", type=float, default=10.0, help="the liveness watch's timeout, s"
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # torchrun's agent hosts the store
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    watch = LivenessWatch(interval=0.02, timeout=args.agree_seconds)
     mesh = ProcessGroupMesh(*args.shape, names=("dp", "tp"), timeout=args.timeout)
+    watch.guard(mesh)
     width = IN // mesh.size("tp")
     lo = mesh.coordinate("tp") * width
     w_shard = initial_weight()[:, lo : lo + width].clone()
     losses: list[float] = []
     replicas: list[int] = []
-    step = 0
-    with mesh:
+    step, healed_at = 0, None
+    while step < args.steps:
+        if rank == args.leave_rank and step == args.leave_step:
+            say(f"rank {rank} leaves at step {step}, t={time.time():.3f}")
+            os._exit(0)
+        ran_on = mesh
+        verdict = watch.step(mesh, "dp")  # the step counts on every member or on none
         try:
-            while step < args.steps:
-                if rank == args.leave_rank and step == args.leave_step:
-                    say(f"rank {rank} leaves at step {step}, t={time.time():.3f}")
-                    os._exit(0)
-                losses.append(train_step(mesh, w_shard, step))
-                replicas.append(mesh.size("dp"))
-                step += 1
-        except RuntimeError as error:
-            say(f"rank {rank}: step {step} failed: {str(error).splitlines()[0][:100]}")
-    if step == args.steps:  # nobody left: nothing to heal
-        healed = None
-    else:
-        try:
-            lost = agree_on_lost(range(world), rank, tag=f"step{step}", timeout=args.agree_seconds)
-            healed = reform(mesh, lost, "dp")
+            with verdict:
+                update, loss = train_step(ran_on, w_shard, step)
         except LostRankError as error:
             say(f"rank {rank} sits out: {error}")
+            watch.close()
             dist.destroy_process_group()
             return
-        if rank == 0:
-            say(
-                f"lost ranks {sorted(lost)}; re-formed mesh {healed.shape} over {healed.layout.ranks}"
-            )
-        with healed:
-            while step < args.steps:
-                losses.append(train_step(healed, w_shard, step))
-                replicas.append(healed.size("dp"))
-                if step == args.leave_step and rank == 0:
-                    say(f"first step on the re-formed mesh done, t={time.time():.3f}")
-                step += 1
+        if verdict.healed:
+            mesh, healed_at = verdict.mesh, step
+            if rank == 0:
+                say(
+                    f"lost ranks {sorted(verdict.lost)}; re-formed mesh {mesh.shape} "
+                    f"over {mesh.layout.ranks}"
+                )
+        if not verdict.committed:
+            continue  # redo the step on the re-formed mesh
+        w_shard -= update
+        losses.append(loss)
+        replicas.append(ran_on.size("dp"))
+        if rank == 0 and healed_at is not None and step == healed_at and ran_on is mesh:
+            say(f"first step on the re-formed mesh done, t={time.time():.3f}")
+        step += 1
+    mesh.close()
+    watch.close()
     if rank == 0:
         expected = reference(args.steps, replicas)
         for s, (loss, ref, n) in enumerate(zip(losses, expected, replicas)):

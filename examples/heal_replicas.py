@@ -5,10 +5,11 @@
 Each agent runs one dp replica (its ``--nproc-per-node`` workers are the tp
 ranks of one dp slice), so when a worker crashes its agent stops only that
 replica. Every worker runs a :class:`~scopedmesh.LivenessWatch` guarding a
-(dp, tp) mesh: the workers of the other agents learn of the deaths (the
-stopped replica's sockets close), agree on the lost ranks, drop that dp slice
-and go on. Each step all-reduces ``rank + 1`` along dp and tp and checks the
-sums against the current mesh.
+(dp, tp) mesh, and each step runs in ``watch.step(mesh, "dp")``: the
+workers of the other agents learn of the deaths (the stopped replica's sockets
+close), the step fails on every one of them, they agree on the lost ranks,
+drop that dp slice and redo the step. Each step all-reduces ``rank + 1`` along
+dp and tp and checks the sums against the mesh it ran on.
 """
 
 from __future__ import annotations
@@ -55,28 +56,28 @@ def main() -> None:
     mesh = watch.guard(ProcessGroupMesh(world // local, local, names=("dp", "tp"), timeout=60))
     step, bad = 0, 0
     while step < args.steps:
+        ran_on, started = mesh, time.time()
+        verdict = watch.step(mesh, "dp")  # the step counts on every member or on none
         try:
-            dp, tp = sums(mesh, rank)
-            ok = dp == expected(mesh, "dp") and tp == expected(mesh, "tp")
-            bad += not ok
+            with verdict:
+                dp, tp = sums(ran_on, rank)
+        except LostRankError as sat_out:
+            say(f"{tag}: sits out: {sat_out}")
+            break
+        if verdict.healed:
+            mesh, now = verdict.mesh, time.time()
+            say(f"{tag}: step {step} failed")
             say(
-                f"{tag}: step {step} mesh {mesh.shape} sums dp={dp} tp={tp} {'ok' if ok else 'BAD'}"
+                f"{tag}: healed at {now:.3f} ({now - started:.3f} s into the step): "
+                f"lost {sorted(watch.lost())}, mesh {mesh.shape} over {list(mesh.layout.ranks)}"
             )
-            step += 1
-            time.sleep(args.pace)
-        except RuntimeError as error:
-            failed = time.time()
-            say(f"{tag}: step {step} failed: {str(error).splitlines()[0][:90]}")
-            try:
-                mesh = watch.heal(mesh, "dp", tag=f"step{step}")
-            except LostRankError as sat_out:
-                say(f"{tag}: sits out: {sat_out}")
-                break
-            lost, now = sorted(watch.lost()), time.time()
-            say(
-                f"{tag}: healed at {now:.3f} ({now - failed:.3f} s after the failure): "
-                f"lost {lost}, mesh {mesh.shape} over {list(mesh.layout.ranks)}"
-            )
+        if not verdict.committed:
+            continue  # redo the step on the healed mesh
+        ok = dp == expected(ran_on, "dp") and tp == expected(ran_on, "tp")
+        bad += not ok
+        say(f"{tag}: step {step} mesh {ran_on.shape} sums dp={dp} tp={tp} {'ok' if ok else 'BAD'}")
+        step += 1
+        time.sleep(args.pace)
     mesh.close()
     watch.close()
     say(f"{tag}: done, {step} steps, {bad} bad sums")
