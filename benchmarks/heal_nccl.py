@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.heal_common import PHASES, Ranks, load, rank_reports, summary
-from scopedmesh import MeshClosedError, ProcessGroupMesh, reform
+from scopedmesh import ProcessGroupMesh
 from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.fault.liveness import LivenessWatch
 
@@ -95,23 +95,21 @@ def bind_world(rank: int, world: int, device: torch.device, port: int) -> None:
 def _step(mesh: ProcessGroupMesh, step: int, device: torch.device) -> list[Any]:
     """One step: all_reduce 4 MiB along dp; the sum and the members that made it.
 
-    On NCCL the host learns that a collective ended from a CUDA synchronize;
-    an abort makes the kernel exit early, so the mesh is asked again after it
-    (an aborted mesh raises :class:`MeshClosedError`) before the sum counts.
+    On NCCL a collective an abort cut short looks done; the step runs inside
+    ``watch.step``, whose verdict (the device synchronised, then the mesh's
+    abort state, then a vote) decides whether the sum counts.
     """
     dp = mesh.get_group_along_axis("dp")
     if dp is None:  # every rank is in its dp group; a None would be the library's bug
         raise RuntimeError(f"rank {dist.get_rank()} got no dp group from {mesh!r}")
     t = torch.full((NUMEL,), float(step + 1) * (dist.get_rank() + 1), device=device)
     dist.all_reduce(t, group=dp)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    mesh.get_group_along_axis("dp")  # raises if the watch aborted the mesh meanwhile
     return [step, float(t[0].item()), mesh.get_ranks_in_group(dp)]
 
 
 def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """Train until ``plan["steps"]`` (and ``plan["seconds"]`` after a heal) on a guarded mesh."""
+    """Train until ``plan["steps"]`` (and ``plan["seconds"]`` after a heal) on a guarded mesh,
+    each step under ``watch.step``: a step's sum counts only where the step committed."""
     backend = plan.get("backend", "nccl")  # "gloo": the same run on the CPU (a dry run)
     device = place(rank) if backend == "nccl" else torch.device("cpu")
     if plan.get("bound"):
@@ -125,20 +123,28 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     while step < plan["steps"] or (
         healed_at is not None and time.time() - healed_at < plan.get("seconds", 0.0)
     ):
-        try:
-            out["steps"].append(_step(mesh, step, device))
-        except (RuntimeError, MeshClosedError) as error:
-            event: dict[str, Any] = {"raised": time.time(), "error": type(error).__name__}
-            lost = watch.agree(mesh)
-            event.update(lost=sorted(lost), agreed=time.time())
-            event["learned"] = min(watch.learned_at(r) or time.time() for r in lost)
-            mesh = watch.guard(reform(mesh, lost, "dp"))
+        raised: dict[str, Any] = {}
+        with watch.step(mesh, "dp") as verdict:
+            try:
+                result = _step(mesh, step, device)
+            except RuntimeError as error:  # an abort, or a peer that died
+                raised.update(raised=time.time(), error=type(error).__name__)
+                raise
+        if verdict.healed:
+            now = time.time()
+            event: dict[str, Any] = {"raised": now, **raised, "agreed": now}
+            event["lost"] = sorted(verdict.lost)
+            event["learned"] = min((watch.learned_at(r) or now for r in verdict.lost), default=now)
+            mesh = verdict.mesh
             mesh.get_group_along_axis("dp")
             event["reformed"] = time.time()
-            out["steps"].append(_step(mesh, step, device))
-            event["first_step"] = time.time()
             out["events"].append(event)
             healed_at = healed_at or event["raised"]
+        if not verdict.committed:
+            continue  # redo the step on the re-formed mesh
+        out["steps"].append(result)
+        if out["events"]:
+            out["events"][-1].setdefault("first_step", time.time())
         step += 1
         Path(outdir, f"step{rank}").write_text(str(step))
     out["healed_for"] = time.time() - healed_at if healed_at else 0.0

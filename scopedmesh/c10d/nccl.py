@@ -7,9 +7,13 @@ learns of a death aborts its mesh (:meth:`GroupTable.abort
 group it is :func:`abort_groups`: ``ProcessGroup.abort()`` on each, all inside
 one NCCL group call (``ncclGroupStart`` ... ``ncclGroupEnd``, as torch's own
 ``_abort_process_group`` does for WORLD), so that aborting one communicator
-never waits for another's kernels. A collective blocked on an aborted
-communicator then raises torch's ``DistBackendError``; its work handle never
-reports success.
+never waits for another's kernels. What a collective in flight then reports
+is NCCL's, not ours: its kernel exits early, and ``wait()`` and
+``torch.cuda.synchronize()`` may return normally over whatever the cut left in
+the buffer (the work handle is torch's, not wrapped as a gloo group's is). So
+the abort is a state to read, not an error to wait for: ``LivenessWatch.step``
+synchronises, reads the mesh's abort state and votes, and a step an abort
+touched never counts (docs/healing.md, "One verdict per step").
 
 A healed mesh's groups must not derive from a communicator that holds a lost
 rank. With WORLD bound to a device (``init_process_group(device_id=...)``)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.heal_nccl import NUMEL, place  # noqa: E402
 from scopedmesh import (  # noqa: E402
+    LivenessWatch,
     MeshClosedError,
     ProcessGroupMesh,
     agree_on_lost,
@@ -247,38 +246,43 @@ def memory_world(rank: int, world_size: int, blocks: int) -> dict[str, Any]:
 
 
 def kept_handle_world(rank: int, world_size: int) -> dict[str, Any]:
-    """Rank 0 starts an all_reduce rank 1 never joins and keeps its handle; another thread
-    aborts the mesh (as a liveness watch does). The handle must not report success."""
+    """Both ranks step on a guarded NCCL mesh (``watch.step``). Rank 0 starts an all_reduce
+    that rank 1 never joins and keeps its handle; rank 1's step raises instead, which
+    posts a stop: rank 0's watch aborts its communicator, and the kernel exits early. However
+    the handle answers (on NCCL a cut-short collective looks done), the step fails on both
+    ranks, the mesh re-forms with nobody lost, and rank 1 gets its exception back."""
     device = device_for("nccl", rank)
-    store = _c10d.default_store()
-    mesh = ProcessGroupMesh(world_size, names=("dp",), backend="nccl", timeout=TIMEOUT)
-    dp = mesh.get_group_along_axis("dp")
-    assert dp is not None
-    out: dict[str, Any] = {"first_sum": total(dp, device)}
-    if rank == 0:
-        work = dist.all_reduce(torch.ones(NUMEL, device=device), group=dp, async_op=True)
-        assert work is not None
-        threading.Timer(1.0, mesh.abort, args=("by the test's thread",)).start()
+    out: dict[str, Any] = {}
+    with LivenessWatch(interval=0.02, timeout=TIMEOUT) as watch:
+        mesh = ProcessGroupMesh(world_size, names=("dp",), backend="nccl", timeout=TIMEOUT)
+        watch.guard(mesh)
+        dp = mesh.get_group_along_axis("dp")
+        assert dp is not None
+        out["first_sum"] = total(dp, device)
+        verdict = watch.step(mesh, "dp")
         start = time.monotonic()
         try:
-            work.wait()
-            torch.cuda.synchronize(device)
-            out["waited"] = "returned"
-        except RuntimeError as error:
-            out["waited"] = type(error).__name__
+            with verdict:
+                if rank == 1:
+                    time.sleep(1.0)  # rank 0's collective is in flight by now
+                    raise ValueError("rank 1's step failed before its all_reduce")
+                work = dist.all_reduce(torch.ones(NUMEL, device=device), group=dp, async_op=True)
+                assert work is not None
+                try:
+                    work.wait()
+                    torch.cuda.synchronize(device)
+                    out["waited"] = "returned"  # the cut kernel looks done
+                except RuntimeError as error:
+                    out["waited"] = type(error).__name__
+                try:
+                    out["success"] = work.is_success()
+                except RuntimeError as error:
+                    out["success"] = f"raised {type(error).__name__}"
+        except ValueError as error:
+            out["raised"] = str(error)
         out["seconds"] = time.monotonic() - start
-        out["completed"] = work.is_completed()
-        try:
-            out["success"] = work.is_success()
-        except RuntimeError as error:
-            out["success"] = f"raised {type(error).__name__}"
-        try:
-            mesh.get_group_along_axis("dp")
-            out["refused"] = False
-        except MeshClosedError:
-            out["refused"] = True
-        store.set("kept/done", "1")
-    else:
-        store.wait(["kept/done"], timedelta(seconds=TIMEOUT))
-    mesh.close()
+        out["committed"], out["healed"] = verdict.committed, verdict.healed
+        out["lost"], out["shape"] = sorted(verdict.lost), list(verdict.mesh.shape)
+        out["refused"] = "aborted" in repr(mesh)  # the old mesh: closed after its abort
+        verdict.mesh.close()
     return out

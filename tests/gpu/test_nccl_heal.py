@@ -17,6 +17,7 @@ from benchmarks import heal_nccl
 from scopedmesh.testing import run_world
 
 KILLS = 4
+TIMEOUT = workers.TIMEOUT
 MiB = 1 << 20
 
 
@@ -73,11 +74,16 @@ def test_twelve_scoped_blocks_leave_no_communicator_and_kept_groups_grow() -> No
         )
 
 
-def test_abort_of_a_kept_handle_never_reports_success() -> None:
-    """Rank 0 keeps the handle of an all_reduce rank 1 never joins; another thread aborts the
-    mesh. The handle never reports success, and the mesh refuses its groups."""
+def test_a_step_whose_kept_handle_an_abort_cut_short_fails_on_every_rank() -> None:
+    """Rank 0 keeps the handle of an all_reduce rank 1 never joins: rank 1's step raises,
+    its stop aborts rank 0's communicator. Whatever the kept handle answers (NCCL's
+    cut-short kernel looks done), the step fails on both ranks, the mesh re-forms with
+    nobody lost, and rank 1's exception is raised after both know."""
     results = run_world(workers.kept_handle_world, 2, timeout=120)
-    out = results[0]
-    assert out["refused"] is True, out
-    assert not (out["waited"] == "returned" and out["success"] is True), out
-    print("kept handle:", out)
+    for rank, out in enumerate(results):
+        assert out["committed"] is False and out["healed"] is True, (rank, out)
+        assert out["lost"] == [] and out["shape"] == [2], (rank, out)
+    assert results[1]["raised"] == "rank 1's step failed before its all_reduce", results[1]
+    assert "raised" not in results[0], results[0]
+    assert results[0]["seconds"] < TIMEOUT / 2, results[0]  # the stop, not a timeout
+    print("kept handle:", results[0])
