@@ -33,10 +33,14 @@ def _train(mesh: ProcessGroupMesh, w: torch.Tensor, step: int) -> torch.Tensor:
     return grad / mesh.size("dp")
 
 
-def a_step_raises(rank: int, world: int, raiser: int, at: int) -> dict[str, Any]:
+def a_step_raises(
+    rank: int, world: int, raiser: int, at: int, kind: str = "ValueError"
+) -> dict[str, Any]:
     """A 2 x 2 (dp, tp) loop with ``watch.step``; rank ``raiser``'s step ``at`` raises
-    ``ValueError`` after its tp all_reduce, so its dp peer waits for it in the dp one.
-    Returns each step's verdict, the weights, and what the raising rank caught."""
+    ``kind`` after its tp all_reduce, so its dp peer waits for it in the dp one, in every
+    attempt of that step until the error reaches the loop. Returns each step's verdict, the
+    weights, and what the raising rank caught."""
+    error_type = {"ValueError": ValueError, "RuntimeError": RuntimeError}[kind]
     out: dict[str, Any] = {"verdicts": [], "raised": None}
     w = torch.zeros(2, dtype=torch.float64)
     with LivenessWatch(interval=0.02, timeout=60) as watch:
@@ -48,9 +52,9 @@ def a_step_raises(rank: int, world: int, raiser: int, at: int) -> dict[str, Any]
                     grad = torch.full_like(w, float(step + 1))
                     dist.all_reduce(grad, group=s.mesh.get_group_along_axis("tp"))
                     if rank == raiser and step == at and not out["raised"]:
-                        raise ValueError("a bug in this rank's step")
+                        raise error_type("a bug in this rank's step")
                     dist.all_reduce(grad, group=s.mesh.get_group_along_axis("dp"))
-            except ValueError as error:
+            except error_type as error:
                 out["raised"] = [step, str(error), s.committed, s.healed]
             mesh = s.mesh
             out["verdicts"].append([step, s.committed, s.healed, list(s.mesh.shape)])
@@ -119,3 +123,38 @@ def every_step_commits(rank: int, world: int, rounds: int) -> dict[str, Any]:
                     verdicts.append(s.committed)
                     w += grad
         return {"verdicts": verdicts, "committed": watch.committed}
+
+
+def doubt_on_one_rank(rank: int, world: int, at: int) -> dict[str, Any]:
+    """Rank 1's vote on step ``at`` completes (its flag counted by every peer), then rank 1's
+    mesh is aborted before it reads the answer, as when a death's abort lands just after
+    the vote: the peers commit, rank 1 is in doubt. It must learn from the survivors'
+    agreement (or, after the last step, from the count each peer left as it closed its
+    watch) that the step committed, and commit it too."""
+    out: dict[str, Any] = {"verdicts": []}
+    w = torch.zeros(1, dtype=torch.float64)
+    with LivenessWatch(interval=0.02, timeout=30) as watch:
+        mesh = watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=60))
+        step = 0
+        while step < STEPS:
+            verdict = watch.step(mesh, "dp")
+            if rank == 1 and step == at and "vote" not in out:
+                vote = verdict._vote
+
+                def read_too_late(flag: int, vote: Any = vote, mesh: Any = mesh) -> int | None:
+                    out["vote"] = vote(flag)
+                    mesh.abort("by the test, just after this rank's vote")
+                    return None
+
+                verdict._vote = read_too_late  # type: ignore[method-assign]
+            with verdict:
+                grad = _train(mesh, w, step)
+            mesh = verdict.mesh
+            out["verdicts"].append([step, verdict.committed, verdict.healed])
+            if verdict.committed:
+                w += grad
+                step += 1
+        out["committed"] = watch.committed
+        mesh.close()
+    out["w"] = w.tolist()
+    return out

@@ -55,6 +55,20 @@ def test_an_exception_in_one_ranks_step_fails_the_step_everywhere_without_a_time
             assert out["raised"] is None, out
 
 
+def test_a_runtime_error_of_a_ranks_own_is_raised_on_the_second_attempt() -> None:
+    """A RuntimeError is what a collective raises when a peer fails: the first time rank 1's
+    step raises one, it is the step's failure everywhere, not raised. Raised again by the
+    same rank in the redo, first and with nobody lost, it is a bug of its own: raised there."""
+    results = run_world(workers.a_step_raises, 4, args=(1, 2, "RuntimeError"), timeout=120)
+    for rank, out in enumerate(results):
+        failed = [v for v in out["verdicts"] if v[1] is False]
+        assert failed == [[2, False, True, [2, 2]]] * 2, (rank, out["verdicts"])
+        assert out["committed"] == workers.STEPS, out
+        assert out["raised"] == (
+            [2, "a bug in this rank's step", False, True] if rank == 1 else None
+        )
+
+
 @pytest.mark.parametrize("looks_done", [True, False], ids=["looks-done", "raises"])
 def test_a_collective_cut_short_by_the_abort_never_counts(looks_done: bool) -> None:
     """On the NCCL double whose aborted collectives look done (``wait()`` True,
@@ -123,3 +137,14 @@ def test_a_survived_thread_failure_is_raised_after_the_agreement_not_in_it() -> 
             agreement.Agreement.check_in = check_in  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="injected"):
             watch.lost()
+
+
+@pytest.mark.parametrize("at", [2, workers.STEPS - 1], ids=["a-middle-step", "the-last-step"])
+def test_a_rank_in_doubt_commits_the_step_its_peers_committed(at: int) -> None:
+    results = run_world(workers.doubt_on_one_rank, 4, args=(at,), timeout=120)
+    assert results[1]["vote"] == 0, results[1]  # every flag was 0: the peers committed
+    assert [1, at, True, True] in [[1, *v] for v in results[1]["verdicts"]], results[1]
+    for rank, out in enumerate(results):
+        assert out["committed"] == workers.STEPS, (rank, out)
+        assert out["w"] == results[0]["w"], (rank, out["w"], results[0]["w"])
+        assert [v[0] for v in out["verdicts"] if v[1]] == list(range(workers.STEPS)), out

@@ -32,11 +32,12 @@ mesh (a ``RuntimeError``, a collective's error, first waits up to
 :data:`STOP_GRACE` for the watch to learn of a death behind it), so every member's collectives with it fail at once instead of waiting
 for their timeout (on NCCL too): every member then agrees, re-forms the mesh
 (with no rank lost, the same shape), and the exception is raised on the member
-that raised it, after the others know. A ``RuntimeError`` (a collective's
-error) is the step's failure, not raised, where a death or an earlier stop
-explains it: raised only by the first member to stop the step when nobody
-was lost. Any other exception is raised where it happened, once the step's
-verdict is known everywhere.
+that raised it, after the others know. A ``RuntimeError`` (what a collective
+raises when a peer fails) is the step's failure, kept on ``error`` and not
+raised, unless it is this member's own twice over: it stopped the step first,
+with nobody lost, in two attempts of the same step in a row (a bug, which
+would otherwise be redone for ever). Any other exception is raised where it
+happened, once the step's verdict is known everywhere.
 
 >>> Step.__name__
 'Step'
@@ -72,6 +73,7 @@ class StepWatch(Protocol):
     def _agree_on_step(self, mesh: ProcessGroupMesh) -> tuple[frozenset[int], int]: ...
 
     _events: int
+    _first_stopped: int | None
 
     def _post_stop(self, attempt: int) -> None: ...
 
@@ -83,13 +85,15 @@ class Step:
 
     After the block: ``committed`` (the same on every member that goes on),
     ``mesh`` (the mesh to train on next), ``lost`` (the ranks the step lost,
-    agreed on; empty when it committed or failed without a death) and
-    ``healed`` (whether ``mesh`` was re-formed).
+    agreed on; empty when it committed or failed without a death), ``healed``
+    (whether ``mesh`` was re-formed) and ``error`` (what the block raised on
+    this rank, kept where the step's failure took its place).
     """
 
     def __init__(self, watch: StepWatch, mesh: ProcessGroupMesh, axis: Axis) -> None:
         self._watch, self.mesh, self._axis = watch, mesh, axis
         self.committed: bool | None = None  # None until the block ends
+        self.error: BaseException | None = None  # what the block raised here, if anything
         self.lost: frozenset[int] = frozenset()
         self.healed = False
         self._vote_group: dist.ProcessGroup | None = None
@@ -112,6 +116,7 @@ class Step:
         tb: TracebackType | None,
     ) -> bool:
         mesh, watch = self.mesh, self._watch
+        self.error = exc
         if exc is not None and not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: not a step's failure
         attempt = watch._events  # the same on every member: each failed step agrees once
@@ -141,9 +146,13 @@ class Step:
             return True
         if not isinstance(exc, RuntimeError):
             return False  # not a collective's failure: this rank's own, raised here
-        # A collective's error is the step's failure where a death or another rank's
-        # exception explains it; the first rank to stop the step, with nobody lost, raises.
-        return bool(self.lost) or watch._first_stop(attempt) != watch.rank
+        # A collective's error is the step's failure. Raised only where it is this rank's
+        # own twice over: it stopped this step first, with nobody lost, in two attempts in a
+        # row (a peer's error that a stop or an abort explains does not repeat so).
+        first = not self.lost and watch._first_stop(attempt) == watch.rank
+        again = first and watch._first_stopped == mine
+        watch._first_stopped = mine if first else None
+        return not again
 
     def _vote(self, flag: int) -> int | None:
         """The MAX of every member's flag, or None where the vote did not complete here."""

@@ -153,6 +153,7 @@ class LivenessWatch:
         self._tags: set[str] = set()  # the agreements this watch took part in
         self.committed = 0  # the steps (:meth:`step`) committed through this watch
         self._stepped = False  # whether step() was used: close() then leaves its count
+        self._first_stopped: int | None = None  # the step this rank stopped first, last attempt
         self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
         self._stopped = False  # whether the thread ended other than by close()
         self._failure_lock = threading.Lock()  # the thread reports, a caller takes
