@@ -118,6 +118,32 @@ def test_a_member_one_survivor_accounted_lost_is_in_the_decision() -> None:
     assert decisions == [frozenset({3})] * 3
 
 
+@pytest.mark.parametrize("counts", [(7, 7, 7), (7, 8, 7), (8, 8, 7), (8, 7, None), (None, 7, 8)])
+def test_a_steps_agreement_decides_the_highest_count_of_committed_steps(
+    counts: tuple[int, int, int | None],
+) -> None:
+    """Each survivor of a failed step checks in with its count of committed steps (a member
+    whose vote was cut short is one behind); every survivor reads the highest, once, even
+    where a member checked in with no count (a plain agreement) or another was lost."""
+    store, members = dist.HashStore(), [0, 1, 2, 3]
+    agreements = [
+        Agreement(store, _keys(), members, rank, committed=count)
+        for rank, count in enumerate(counts)
+    ]
+    for agreement in agreements:
+        agreement.check_in()
+    lost = frozenset({3})
+    for agreement in agreements:
+        decision = None
+        for _ in range(40):
+            decision = agreement.poll(lost, lambda: lost)
+            if decision is not None:
+                break
+        assert decision == lost
+    highest = max(count for count in counts if count is not None)
+    assert [a.committed for a in agreements] == [highest] * 3
+
+
 @pytest.mark.parametrize("writes", [1, 2])
 def test_a_death_declared_by_dying_watchers_reaches_every_watch(writes: int) -> None:
     """Both watchers of rank 3 declare it and die after ``writes`` writes each (at least

@@ -114,8 +114,9 @@ class Agreement:
         marked = {rank for rank, said_lost in entries.items() if said_lost}
         known = read_deaths().union(marked).intersection(self.members)
         proposal = "lost:" + ",".join(str(r) for r in sorted(known))
-        if self.committed is not None:
-            proposal += f";committed:{max([self.committed, *committed_in(text)])}"
+        counts = [*committed_in(text), *([] if self.committed is None else [self.committed])]
+        if counts:  # whoever writes the decision, it holds the highest count checked in
+            proposal += f";committed:{max(counts)}"
         decision = self.store.compare_set(self.keys.decision, "", proposal).decode()
         self.committed = committed_of(decision)
         return decision_of(decision)
