@@ -122,9 +122,14 @@ class Step:
         attempt = watch._events  # the same on every member: each failed step agrees once
         if isinstance(exc, RuntimeError):  # a collective's error: is a death behind it?
             _await_abort(mesh, STOP_GRACE)
-        if exc is not None and not mesh.aborted:  # maybe its first cause: tell every member
-            watch._post_stop(attempt)  # before this rank's sockets close, so it is first
-            mesh.abort(f"when rank {watch.rank}'s step raised {type(exc).__name__}")
+        if (exc is not None or self._vote_group is None) and not mesh.aborted:
+            # Maybe its first cause, or a rank that cannot vote: tell every member, before
+            # this rank's sockets close (so its stop is first), and never leave them waiting.
+            watch._post_stop(attempt)
+            why = (
+                "could not form the step's vote" if exc is None else f"raised {type(exc).__name__}"
+            )
+            mesh.abort(f"when rank {watch.rank}'s step {why}")
         flag = _FAILED if exc is not None or not _synchronized() or mesh.aborted else _OK
         outcome = self._vote(flag)
         if outcome is not None and not mesh.aborted:  # decided alike on every member
