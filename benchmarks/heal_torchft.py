@@ -9,7 +9,7 @@ the kill to the latest survivor's first committed step without the dead
 replica.
 
 - **scopedmesh**: a 4 x 1 (dp, tp) mesh guarded by a ``LivenessWatch`` (20 ms),
-  healed by agree + ``reform(mesh, lost, "dp")`` (:mod:`benchmarks.heal_random`).
+  healed under ``watch.step(mesh, "dp")`` (:mod:`benchmarks.heal_random`).
 - **torchft 0.2.0**: its Lighthouse (``torchft._torchft.LighthouseServer``) in
   the launcher; per replica a process with its own ``TCPStore``, a
   ``torchft.Manager`` (``min_replica_size=2``, ``ProcessGroupGloo``; its
