@@ -48,9 +48,11 @@ from torch.distributed.distributed_c10d import Store
 
 from scopedmesh.c10d.processes import (
     Liveness,
+    launched_here,
     peer_lost,
     peer_seen,
     process_gone,
+    read_process,
     record_process,
     this_process,
 )
@@ -456,9 +458,17 @@ class Watch:
         return GroupFormationError(_timeout_text(group, self.timeout, seen, more))
 
     def _doing(self, rank: int) -> tuple[str, bool]:
-        """What ``rank`` is doing, as a predicate, and whether that is known (else a guess)."""
+        """What ``rank`` is doing, as a predicate, and whether that is known (else a guess).
+
+        A rank with no process record has made no mesh yet: found on this host by its
+        launch environment (:func:`launched_here`), it is named as running here; not
+        found, it is not said to be elsewhere, only that nothing here shows it. The
+        other-host wording is for a rank whose record names another host or pid namespace.
+        """
         request = Request.from_text(read(self.store, announcement_key(rank)))
         process = request.process if request is not None and request.process else None
+        if process is None:
+            process = read_process(self.store, rank)
         alive, lost = peer_seen(self.store, rank, process, self.liveness)
         if lost is not None:
             return lost, True
@@ -470,6 +480,11 @@ class Watch:
             )
         if alive:
             return f"is alive and {_OUTSIDE}", True
+        if process is None:  # no record: it has made no mesh yet
+            pid = launched_here(rank)
+            if pid is not None:
+                return _NO_MESH_HERE.format(pid=pid), True
+            return _NO_MESH_UNSEEN.format(rank=rank), False
         return (
             "requested no group that this rank can see, and whether it still runs cannot be "
             "seen from here (another host or pid namespace, and no liveness watch guards the mesh)",
@@ -480,6 +495,15 @@ class Watch:
 _OUTSIDE = (
     "outside any group request: running user code or a collective (a barrier, say), "
     "or it closed its mesh without requesting this group"
+)
+_NO_MESH_HERE = (
+    "is running on this host (process {pid}) but has not asked for this group: it has made "
+    "no mesh yet"
+)
+_NO_MESH_UNSEEN = (
+    "has made no mesh yet (it wrote no process record), and whether it runs cannot be told "
+    "from here (no process of this host was launched as rank {rank} of this job, and no "
+    "liveness watch guards the mesh)"
 )
 _CAUSES = (
     "it never requested this group, it died, or members requested overlapping groups in "
