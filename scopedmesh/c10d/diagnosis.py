@@ -447,17 +447,18 @@ class Watch:
         seen: list[tuple[int, str, bool]] = []
         stem = self.request.waits_on.rsplit("/", 1)[0]
         more = False
+        here = _LaunchedHere()
         for position, rank in enumerate(self.ranks):
             if rank == own.rank or (stem and self.store.check([f"{stem}/{position}"])):
                 continue
             if len(seen) == _LISTED:
                 more = True
                 break
-            seen.append((rank, *self._doing(rank)))
+            seen.append((rank, *self._doing(rank, here)))
         group = f"the {own.backend} process group along {own.what} over ranks {own.ranks}"
         return GroupFormationError(_timeout_text(group, self.timeout, seen, more))
 
-    def _doing(self, rank: int) -> tuple[str, bool]:
+    def _doing(self, rank: int, here: _LaunchedHere) -> tuple[str, bool]:
         """What ``rank`` is doing, as a predicate, and whether that is known (else a guess).
 
         A rank with no process record has made no mesh yet: found on this host by its
@@ -481,7 +482,7 @@ class Watch:
         if alive:
             return f"is alive and {_OUTSIDE}", True
         if process is None:  # no record: it has made no mesh yet
-            pid = launched_here(rank)
+            pid = here.pid(rank)
             if pid is not None:
                 return _NO_MESH_HERE.format(pid=pid), True
             return _NO_MESH_UNSEEN.format(rank=rank), False
@@ -490,6 +491,24 @@ class Watch:
             "seen from here (another host or pid namespace, and no liveness watch guards the mesh)",
             False,
         )
+
+
+class _LaunchedHere:
+    """The ranks of this job running on this host (:func:`launched_here`), looked for once,
+    when a timeout's message first needs a rank that left no process record.
+
+    >>> _LaunchedHere().pid(0) is None or isinstance(_LaunchedHere().pid(0), int)
+    True
+    """
+
+    def __init__(self) -> None:
+        self._pids: dict[int, int] | None = None
+
+    def pid(self, rank: int) -> int | None:
+        """The pid of ``rank``'s process on this host, or None if none is seen."""
+        if self._pids is None:
+            self._pids = launched_here()
+        return self._pids.get(rank)
 
 
 _OUTSIDE = (

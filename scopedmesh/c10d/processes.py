@@ -132,37 +132,46 @@ def job_of(environment: Mapping[str, str]) -> dict[str, str] | None:
     return job if "MASTER_PORT" in job else None
 
 
-def launched_here(rank: int, job: Mapping[str, str] | None = None) -> int | None:
-    """The pid of a running process of this host launched as ``rank`` of ``job``, or None.
+def launched_here(job: Mapping[str, str] | None = None) -> dict[int, int]:
+    """The ranks of ``job`` running on this host, each with its pid, by launch environment.
 
     ``job`` (default: this process's, :func:`job_of` ``os.environ``) is matched against
     each visible process's launch environment, as torchrun, ``torch.multiprocessing``
     with ``env://`` or a cluster's launcher set it: ``RANK`` and every job variable must
-    agree. What cannot be read (another user's process, no ``/proc``) is not seen. A
-    rank whose launcher set its variables only after it started is not found.
-    Reads ``/proc`` of every process: for the diagnosis's error path, not a loop.
+    agree. A rank's own children (a DataLoader's workers) inherit its environment: the
+    process whose parent is not of that rank is the rank. What cannot be read (another
+    user's process, no ``/proc``) is not seen, nor a rank whose launcher set its
+    variables only after it started. This process is left out. Reads ``/proc`` of every
+    process: once per diagnosis, on its error path.
 
-    >>> launched_here(0, {"MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "no-such-job"}) is None
-    True
+    >>> launched_here({"MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "no-such-job"})
+    {}
     """
     if job is None:
         job = job_of(os.environ)
     if job is None:
-        return None
+        return {}
     try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+        pids = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
     except OSError:
-        return None
+        return {}
+    found: dict[int, dict[int, int]] = {}  # rank -> {pid: parent pid}
     for pid in pids:
-        if pid == os.getpid():
+        environment = _launch_environment(pid) if pid != os.getpid() else None
+        if environment is None or not environment.get("RANK", "").isdigit():
             continue
-        environment = _launch_environment(pid)
-        if environment is None or environment.get("RANK") != str(rank):
+        if any(environment.get(key) != value for key, value in job.items()):
             continue
-        if all(environment.get(key) == value for key, value in job.items()):
-            if _running(_stat(pid)):
-                return pid
-    return None
+        fields = _stat(pid)
+        if _running(fields) and len(fields) > 1 and fields[1].isdigit():
+            found.setdefault(int(environment["RANK"]), {})[pid] = int(fields[1])
+    return {rank: _eldest(processes) for rank, processes in found.items()}
+
+
+def _eldest(processes: Mapping[int, int]) -> int:
+    """Of ``{pid: parent pid}``, all launched as one rank, the one no other one started."""
+    roots = [pid for pid, parent in processes.items() if parent not in processes]
+    return min(roots or processes)
 
 
 def read_process(store: Store, rank: int) -> dict[str, Any] | None:

@@ -7,6 +7,8 @@ torchrun launches a rank stands for a peer that has made no mesh yet.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -17,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from scopedmesh.c10d import processes
-from scopedmesh.c10d.diagnosis import Request, Watch
+from scopedmesh.c10d.diagnosis import Request, Watch, _LaunchedHere
 from scopedmesh.c10d.store import process_key
 
 
@@ -49,14 +51,37 @@ def rank_1(job: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
 def test_a_rank_launched_on_this_host_is_found_by_its_launch_environment(
     job: dict[str, str], rank_1: subprocess.Popen[bytes]
 ) -> None:
-    assert processes.launched_here(1) == rank_1.pid
-    assert processes.launched_here(2) is None  # no process of this job is rank 2
+    assert processes.launched_here() == {1: rank_1.pid}  # and no other rank of this job
     other = {**job, "TORCHELASTIC_RUN_ID": "another-job"}
-    assert processes.launched_here(1, other) is None  # rank 1 of another job is not it
+    assert processes.launched_here(other) == {}  # rank 1 of another job is not it
     assert processes.job_of({"RANK": "1"}) is None  # no MASTER_PORT: no job to match
     rank_1.kill()
     rank_1.wait()
-    assert processes.launched_here(1) is None  # gone: not running here any more
+    assert processes.launched_here() == {}  # gone: not running here any more
+
+
+def test_a_ranks_own_children_are_not_taken_for_it(job: dict[str, str]) -> None:
+    """A DataLoader's workers inherit their rank's launch environment: the rank is the one
+    of them that none of the others started."""
+    code = (
+        "import subprocess, sys, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(worker.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", code], env={**job, "RANK": "1"}, stdout=subprocess.PIPE, text=True
+    )
+    worker = 0
+    try:
+        assert rank.stdout is not None
+        worker = int(rank.stdout.readline())  # once the worker runs
+        assert processes.launched_here() == {1: rank.pid}, worker
+    finally:
+        if worker:
+            os.kill(worker, signal.SIGKILL)
+        rank.kill()
+        rank.wait()
 
 
 def _doing(store: dist.Store, rank: int) -> tuple[str, bool]:
@@ -66,7 +91,7 @@ def _doing(store: dist.Store, rank: int) -> tuple[str, bool]:
         what="axis 'x'", description="scopedmesh:x",
     )  # fmt: skip
     watch = Watch(store, request, [0, 1, 2], timedelta(seconds=1), timedelta(seconds=1))
-    return watch._doing(rank)
+    return watch._doing(rank, _LaunchedHere())
 
 
 def test_a_peer_without_a_record_is_never_said_to_be_on_another_host(
