@@ -301,3 +301,37 @@ def test_no_c10d_op_sent_to_the_stand_in_reports_success(state: str) -> None:
     assert not lied, f"{state}: c10d ops reported done on the stand-in: {lied}"
     del boxed
     group.release()
+
+
+@pytest.mark.parametrize("state", ["released", "interrupted"])
+def test_point_to_point_on_a_shut_down_group_raises_mesh_closed_error(state: str) -> None:
+    """The rest of item 1's audit: the group's own ``send``, ``recv`` and
+    ``recv_anysource``, the C++ ``recvAnysource`` (torch's trampoline does not override
+    it: it goes through ``c10d::recv_any_source_``), the coalescing calls and a backend
+    taken before the shutdown are refused once the group is shut down."""
+    if not _closable.supported():
+        pytest.skip("this torch has no stand-in backend")
+    group = _made_as_a_mesh_makes_it()
+    backend = group._get_backend(torch.device("cpu"))
+    if state == "released":
+        group.release()
+    else:
+        assert group.interrupt("when the test aborted its mesh")
+    x = torch.full((1,), 7.0)
+    calls = {
+        "send": lambda: group.send([x], 0, 0),
+        "recv": lambda: group.recv([x], 0, 0),
+        "recv_anysource": lambda: group.recv_anysource([x], 0),
+        "start_coalescing": lambda: group._start_coalescing(torch.device("cpu")),
+        "backend.send": lambda: backend.send([x], 0, 0),
+        "backend.recv": lambda: backend.recv([x], 0, 0),
+    }
+    said = {name: _said(call) for name, call in calls.items()}
+    said["ProcessGroup.recv_anysource"] = _said(
+        lambda: dist.ProcessGroup.recv_anysource(group, [x], 0).wait()
+    )
+    print(state, said)
+    for name, outcome in said.items():
+        expected = "RuntimeError" if name.startswith("ProcessGroup.") else "MeshClosedError"
+        assert outcome.startswith(expected), (name, outcome)
+    assert x.item() == 7.0
