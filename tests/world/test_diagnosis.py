@@ -213,7 +213,7 @@ def test_a_peer_on_this_host_that_made_no_mesh_yet_is_named_as_running_here() ->
     print(first["message"])
     assert first["message"] == (
         "could not form the gloo process group along axis 'tp' over ranks [0, 1] within "
-        f"0:00:02. {MISSING}  rank 1 {RUNNING_HERE.format(pid=ranks[1].pid)}"
+        f"0:00:01. {MISSING}  rank 1 {RUNNING_HERE.format(pid=ranks[1].pid)}"
     )
 
 
