@@ -521,8 +521,8 @@ _NO_MESH_HERE = (
 )
 _NO_MESH_UNSEEN = (
     "has made no mesh yet (it wrote no process record), and whether it runs cannot be told "
-    "from here (no process of this host was launched as rank {rank} of this job, and no "
-    "liveness watch guards the mesh)"
+    "from here (no process of this host names rank {rank} of this job in the environment it "
+    "started with, and no liveness watch guards the mesh)"
 )
 _CAUSES = (
     "it never requested this group, it died, or members requested overlapping groups in "

@@ -115,8 +115,8 @@ def test_a_peer_without_a_record_is_never_said_to_be_on_another_host(
     )
     assert said[2] == (
         "has made no mesh yet (it wrote no process record), and whether it runs cannot be "
-        "told from here (no process of this host was launched as rank 2 of this job, and no "
-        "liveness watch guards the mesh)",
+        "told from here (no process of this host names rank 2 of this job in the environment "
+        "it started with, and no liveness watch guards the mesh)",
         False,
     )
     assert "another host" in said[3][0] and not said[3][1], said[3]

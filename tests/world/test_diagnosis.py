@@ -184,6 +184,7 @@ def test_a_peer_this_rank_cannot_see_gets_the_likely_causes() -> None:
     _check_clean(results, 2)
 
 
+@pytest.mark.fault  # a slow lane: .ci/run runs it (starts two interpreters, waits out 1 s)
 def test_a_peer_on_this_host_that_made_no_mesh_yet_is_named_as_running_here() -> None:
     """Issue 37, item 2: rank 1 runs on this host, launched as torchrun launches a rank,
     but has made no mesh yet (so it wrote no process record). Rank 0 was told it "cannot
