@@ -581,13 +581,27 @@ for _name in FORWARDED:
 del _name
 
 
+# The device the stand-in is registered for: one whose ``c10d::`` ops never reach a
+# backend (torch's meta kernels make a fake work without asking the group), so that
+# no tensor's op finds the stand-in; an op on CPU tensors finds no backend and raises.
+STAND_IN_DEVICE = "meta"
+
+
 def _stand_in(rank: int, size: int) -> Any | None:
-    """A backend that holds nothing and raises on any collective; ``None`` if torch has none.
+    """A backend that holds nothing, for look-ups by type; ``None`` if torch has none.
 
     torch's C++ side looks a group's backend up by type for bookkeeping (DDP's
-    logger asks for it); the collectives themselves reach the Python methods
-    above. The stand-in answers the look-ups. Should a C++ path ever send a
-    collective to it, torch's fake backend raises rather than doing nothing.
+    logger asks for it); the operations themselves reach the Python methods
+    above. The stand-in answers the look-ups. It is torch's fake backend with
+    ``error_on_collective``, which raises on a collective but does nothing in
+    ``send``, ``recv`` and ``recvAnysource`` (their work reports success, the
+    buffer untouched), so it is registered for :data:`STAND_IN_DEVICE`, not for
+    the CPU: a C++ path (``torch.ops.c10d``) that sends an operation on CPU
+    tensors to the group finds no backend and raises, point-to-point included.
+
+    >>> stand_in = _stand_in(0, 2)
+    >>> stand_in is None or type(stand_in).__name__ == "FakeProcessGroup"
+    True
     """
     fake: Any = getattr(torch._C._distributed_c10d, "FakeProcessGroup", None)
     options = fake.Options() if fake is not None else None
@@ -617,7 +631,8 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     group = ClosableGroup(inner)
     stand_in = _stand_in(group_rank, group_size)  # register() made sure this torch has one
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, stand_in)
+    device = torch.device(STAND_IN_DEVICE)  # never "cpu": see _stand_in
+    group._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, stand_in)
     return group
 
 

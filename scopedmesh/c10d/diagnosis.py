@@ -48,9 +48,11 @@ from torch.distributed.distributed_c10d import Store
 
 from scopedmesh.c10d.processes import (
     Liveness,
+    launched_here,
     peer_lost,
     peer_seen,
     process_gone,
+    read_process,
     record_process,
     this_process,
 )
@@ -445,20 +447,29 @@ class Watch:
         seen: list[tuple[int, str, bool]] = []
         stem = self.request.waits_on.rsplit("/", 1)[0]
         more = False
+        here = _LaunchedHere()
         for position, rank in enumerate(self.ranks):
             if rank == own.rank or (stem and self.store.check([f"{stem}/{position}"])):
                 continue
             if len(seen) == _LISTED:
                 more = True
                 break
-            seen.append((rank, *self._doing(rank)))
+            seen.append((rank, *self._doing(rank, here)))
         group = f"the {own.backend} process group along {own.what} over ranks {own.ranks}"
         return GroupFormationError(_timeout_text(group, self.timeout, seen, more))
 
-    def _doing(self, rank: int) -> tuple[str, bool]:
-        """What ``rank`` is doing, as a predicate, and whether that is known (else a guess)."""
+    def _doing(self, rank: int, here: _LaunchedHere) -> tuple[str, bool]:
+        """What ``rank`` is doing, as a predicate, and whether that is known (else a guess).
+
+        A rank with no process record has made no mesh yet: found on this host by its
+        launch environment (:func:`launched_here`), it is named as running here; not
+        found, it is not said to be elsewhere, only that nothing here shows it. The
+        other-host wording is for a rank whose record names another host or pid namespace.
+        """
         request = Request.from_text(read(self.store, announcement_key(rank)))
         process = request.process if request is not None and request.process else None
+        if process is None:
+            process = read_process(self.store, rank)
         alive, lost = peer_seen(self.store, rank, process, self.liveness)
         if lost is not None:
             return lost, True
@@ -470,6 +481,11 @@ class Watch:
             )
         if alive:
             return f"is alive and {_OUTSIDE}", True
+        if process is None:  # no record: it has made no mesh yet
+            pid = here.pid(rank)
+            if pid is not None:
+                return _NO_MESH_HERE.format(pid=pid), True
+            return _NO_MESH_UNSEEN.format(rank=rank), False
         return (
             "requested no group that this rank can see, and whether it still runs cannot be "
             "seen from here (another host or pid namespace, and no liveness watch guards the mesh)",
@@ -477,9 +493,36 @@ class Watch:
         )
 
 
+class _LaunchedHere:
+    """The ranks of this job running on this host (:func:`launched_here`), looked for once,
+    when a timeout's message first needs a rank that left no process record.
+
+    >>> _LaunchedHere().pid(-1) is None  # no launcher names a negative rank
+    True
+    """
+
+    def __init__(self) -> None:
+        self._pids: dict[int, int] | None = None
+
+    def pid(self, rank: int) -> int | None:
+        """The pid of ``rank``'s process on this host, or None if none is seen."""
+        if self._pids is None:
+            self._pids = launched_here()
+        return self._pids.get(rank)
+
+
 _OUTSIDE = (
     "outside any group request: running user code or a collective (a barrier, say), "
     "or it closed its mesh without requesting this group"
+)
+_NO_MESH_HERE = (
+    "is running on this host (process {pid}) but has not asked for this group: it has made "
+    "no mesh yet"
+)
+_NO_MESH_UNSEEN = (
+    "has made no mesh yet (it wrote no process record), and whether it runs cannot be told "
+    "from here (no process of this host names rank {rank} of this job in the environment it "
+    "started with, and no liveness watch guards the mesh)"
 )
 _CAUSES = (
     "it never requested this group, it died, or members requested overlapping groups in "

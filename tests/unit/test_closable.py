@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -217,3 +218,120 @@ def test_a_group_found_settled_has_decided_every_handle() -> None:
     assert seen[0] == "returned True", seen
     assert seen[1].startswith("MeshClosedError: this collective did not complete"), seen
     assert "when the test interrupted it" in seen[1], seen
+
+
+def _made_as_a_mesh_makes_it() -> _closable.ClosableGroup:
+    """A one-member closable group from torch's custom-backend creator, stand-in and all."""
+    options = SimpleNamespace(
+        store=dist.HashStore(), group_rank=0, group_size=1, timeout=timedelta(seconds=10),
+        global_ranks_in_group=[0], group_id="g-2",
+    )  # fmt: skip
+    group = _closable.make_closable_gloo(options)
+    group.setGroupName("g-2")
+    return group
+
+
+def _c10d_ops(x: torch.Tensor) -> dict[str, Any]:
+    """Every op torch registers under ``c10d::`` that takes a group, as a call on ``(group)``."""
+    ops, op = torch.ops.c10d, torch.classes.c10d.ReduceOp()
+    return {
+        "send": lambda g: ops.send([x], g, 0, 0),
+        "recv_": lambda g: ops.recv_([x], g, 0, 0),
+        "recv_any_source_": lambda g: ops.recv_any_source_([x], g, 0),
+        "allreduce_": lambda g: ops.allreduce_([x], g, op, None, True, -1),
+        "allreduce_coalesced_": lambda g: ops.allreduce_coalesced_([x], g, op, True, -1),
+        "broadcast_": lambda g: ops.broadcast_([x], g, 0, 0, True, -1),
+        "reduce_": lambda g: ops.reduce_([x], g, op, 0, 0, True, -1),
+        "allgather_": lambda g: ops.allgather_([[x]], [x], g, True, -1),
+        "_allgather_base_": lambda g: ops._allgather_base_(x, x, g, True, -1),
+        "allgather_coalesced_": lambda g: ops.allgather_coalesced_([[x]], [x], g, True),
+        "allgather_into_tensor_coalesced_": lambda g: ops.allgather_into_tensor_coalesced_(
+            [x], [x], g, True
+        ),
+        "reduce_scatter_": lambda g: ops.reduce_scatter_([x], [[x]], g, op, True, -1),
+        "_reduce_scatter_base_": lambda g: ops._reduce_scatter_base_(x, x, g, op, True, -1),
+        "reduce_scatter_tensor_coalesced_": lambda g: ops.reduce_scatter_tensor_coalesced_(
+            [x], [x], g, op, True, -1
+        ),
+        "gather_": lambda g: ops.gather_([[x]], [x], g, 0, True, -1),
+        "scatter_": lambda g: ops.scatter_([x], [[x]], g, 0, True, -1),
+        "alltoall_": lambda g: ops.alltoall_([x], [x], g, True, -1),
+        "alltoall_base_": lambda g: ops.alltoall_base_(x, x, g, [], [], True, -1),
+        "barrier": lambda g: ops.barrier(x, g, [], True, -1),
+        "monitored_barrier_": lambda g: ops.monitored_barrier_(x, g, [], 1000, False),
+    }
+
+
+def _outcome(call: Any, group: Any, x: torch.Tensor) -> str:
+    """What an op on ``group`` said: its error's type, or what its work reported and the
+    buffer after it."""
+    try:
+        result = call(group)
+    except RuntimeError as error:
+        return f"raised {type(error).__name__}"
+    work = result[-1] if isinstance(result, tuple) else result
+    if work is None:
+        return f"returned None, buffer {x.item()}"
+    try:
+        waited = f"wait() -> {work.wait()!r}"
+    except RuntimeError as error:
+        return f"wait() raised {type(error).__name__}"
+    return f"{waited}, buffer {x.item()}"
+
+
+@pytest.mark.parametrize("state", ["open", "released", "interrupted"])
+def test_no_c10d_op_sent_to_the_stand_in_reports_success(state: str) -> None:
+    """Issue 37, item 1: ``torch.ops.c10d.recv_`` on a shut-down group returned at once, its
+    work done and the buffer untouched: torch's fake backend, the stand-in C++ reaches,
+    checks ``error_on_collective`` in its collectives but not in ``send``, ``recv`` and
+    ``recvAnysource``. Every ``c10d::`` op a C++ path sends to a mesh's gloo group must
+    fail (raise, or a work whose wait raises), whatever state the group is in."""
+    if not _closable.supported():
+        pytest.skip("this torch has no stand-in backend")
+    group = _made_as_a_mesh_makes_it()
+    if state == "released":
+        group.release()
+    elif state == "interrupted":
+        assert group.interrupt("when the test aborted its mesh")
+    x = torch.full((1,), 7.0)
+    boxed = group.boxed()  # the form torch.ops.c10d takes a group in
+    said = {name: _outcome(call, boxed, x) for name, call in _c10d_ops(x).items()}
+    lied = {name: outcome for name, outcome in said.items() if "raised" not in outcome}
+    print(state, "ops that did not fail:", lied)
+    assert not lied, f"{state}: c10d ops reported done on the stand-in: {lied}"
+    del boxed
+    group.release()
+
+
+@pytest.mark.parametrize("state", ["released", "interrupted"])
+def test_point_to_point_on_a_shut_down_group_raises_mesh_closed_error(state: str) -> None:
+    """The rest of item 1's audit: the group's own ``send``, ``recv`` and
+    ``recv_anysource``, the C++ ``recvAnysource`` (torch's trampoline does not override
+    it: it goes through ``c10d::recv_any_source_``), the coalescing calls and a backend
+    taken before the shutdown are refused once the group is shut down."""
+    if not _closable.supported():
+        pytest.skip("this torch has no stand-in backend")
+    group = _made_as_a_mesh_makes_it()
+    backend = group._get_backend(torch.device("cpu"))
+    if state == "released":
+        group.release()
+    else:
+        assert group.interrupt("when the test aborted its mesh")
+    x = torch.full((1,), 7.0)
+    calls = {
+        "send": lambda: group.send([x], 0, 0),
+        "recv": lambda: group.recv([x], 0, 0),
+        "recv_anysource": lambda: group.recv_anysource([x], 0),
+        "start_coalescing": lambda: group._start_coalescing(torch.device("cpu")),
+        "backend.send": lambda: backend.send([x], 0, 0),
+        "backend.recv": lambda: backend.recv([x], 0, 0),
+    }
+    said = {name: _said(call) for name, call in calls.items()}
+    said["ProcessGroup.recv_anysource"] = _said(
+        lambda: dist.ProcessGroup.recv_anysource(group, [x], 0).wait()
+    )
+    print(state, said)
+    for name, outcome in said.items():
+        expected = "RuntimeError" if name.startswith("ProcessGroup.") else "MeshClosedError"
+        assert outcome.startswith(expected), (name, outcome)
+    assert x.item() == 7.0

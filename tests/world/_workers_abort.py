@@ -250,3 +250,48 @@ def interrupted_in_flight(rank: int, world: int) -> dict[str, Any]:
             out["cut future taken before"] = _said(future.wait)
             out["kept"] = _report(kept, done)
     return out
+
+
+def point_to_point_through_c10d(rank: int, world: int) -> dict[str, Any]:
+    """Two ranks, a 2-rank mesh: a ``dist.send``/``recv`` pair, then ``torch.ops.c10d``'s
+    ``send``, ``recv_`` and ``recv_any_source_`` on the group once the mesh is aborted and
+    once it is closed (issue 37, item 1). Each answer is the error's type, or what the work
+    said and the buffer after it (7.0 if nothing was written)."""
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    peer = 1 - rank
+    ops = torch.ops.c10d
+
+    def attempts(group: Any) -> dict[str, str]:
+        said: dict[str, str] = {}
+        boxed = group.boxed()
+        for name, call in {
+            "send": lambda x: ops.send([x], boxed, peer, 0),
+            "recv_": lambda x: ops.recv_([x], boxed, peer, 0),
+            "recv_any_source_": lambda x: ops.recv_any_source_([x], boxed, 0),
+        }.items():
+            x = torch.full((1,), 7.0)
+            try:
+                work = call(x)
+            except RuntimeError as error:
+                said[name] = f"raised {type(error).__name__}"
+                continue
+            said[name] = f"{_said(work.wait)}, buffer {x.item()}"
+        return said
+
+    out: dict[str, Any] = {}
+    with ProcessGroupMesh(2, names=("tp",), timeout=60) as mesh:
+        group = mesh.get_group_along_axis("tp")
+        x = torch.full((1,), float(rank))
+        if rank == 0:
+            dist.send(x, 1, group=group)
+        else:
+            dist.recv(x, 0, group=group)
+        out["received"] = x.item()  # rank 1: 0.0, what rank 0 sent
+        mesh.abort("when the test aborted it")
+        out["aborted"] = attempts(group)
+    out["closed"] = attempts(group)
+    return out

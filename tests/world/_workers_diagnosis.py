@@ -226,3 +226,24 @@ def dead_peer_on_another_host(rank: int, world_size: int) -> dict[str, Any] | No
     out["leftovers"] = [key for key in leftovers() if not key.startswith("scopedmesh-watch/count/")]
     out["live"] = _c10d.live_group_count()
     return {**out, **me()}
+
+
+def no_mesh_yet() -> None:
+    """A rank launched as torchrun launches one (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` in the environment it was started with), run with ``python -c``.
+
+    Rank 0 makes a mesh and asks for the 2-rank group (timeout 1 s); rank 1
+    makes no mesh at all and waits until rank 0 is done. Rank 0 prints its outcome as JSON.
+    """
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    store = _c10d.default_store()
+    if dist.get_rank() == 0:
+        with ProcessGroupMesh(2, names=("tp",), timeout=1.0) as mesh:
+            out = ask(mesh, "tp")
+        store.set("no-mesh-yet/done", "1")
+        print(json.dumps(out), flush=True)
+    else:
+        store.wait(["no-mesh-yet/done"], timedelta(seconds=60))
+    dist.destroy_process_group()

@@ -167,3 +167,21 @@ def test_a_collective_cut_short_by_an_interrupt_never_reports_success() -> None:
     kept = out["kept"]
     assert kept["wait"] == kept["is_success"] == "returned True", out
     assert kept["future"] == "returned [[2.0]]", out
+
+
+@needs_interrupt
+def test_point_to_point_through_c10d_on_an_aborted_or_closed_group_fails() -> None:
+    """Issue 37, item 1: ``torch.ops.c10d.recv_`` on a shut-down mesh group returned at
+    once, its work done and its buffer untouched (the stand-in backend's ``send``,
+    ``recv`` and ``recvAnysource`` do nothing). Aborted or closed, each must fail."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_abort.point_to_point_through_c10d, 2, timeout=120)
+    print(results)
+    assert results[1]["received"] == 0.0, results  # the group worked through dist.recv
+    for out in results:
+        for state in ("aborted", "closed"):
+            for op, said in out[state].items():
+                assert said.startswith("raised"), (state, op, said)

@@ -8,7 +8,9 @@ figures: those are in ``python -m benchmarks.diagnosis``.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -43,6 +45,12 @@ UNSEEN = (
     "requested no group that this rank can see, and whether it still runs cannot be seen "
     "from here (another host or pid namespace, and no liveness watch guards the mesh)"
 )
+
+RUNNING_HERE = (
+    "is running on this host (process {pid}) but has not asked for this group: it has made "
+    "no mesh yet"
+)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def likely(rank: int) -> str:
@@ -174,6 +182,40 @@ def test_a_peer_this_rank_cannot_see_gets_the_likely_causes() -> None:
     )
     assert results[0]["again"]["sum"] == results[1]["again"]["sum"] == 2
     _check_clean(results, 2)
+
+
+@pytest.mark.fault  # a slow lane: .ci/run runs it (starts two interpreters, waits out 1 s)
+def test_a_peer_on_this_host_that_made_no_mesh_yet_is_named_as_running_here() -> None:
+    """Issue 37, item 2: rank 1 runs on this host, launched as torchrun launches a rank,
+    but has made no mesh yet (so it wrote no process record). Rank 0 was told it "cannot
+    be seen from here (another host or pid namespace ...)"; it is told that rank 1 runs
+    on this host and has not asked for the group, without the likely causes."""
+    from scopedmesh.testing.launcher import free_port
+
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(workers.__file__).parent)])
+    code = "import _workers_diagnosis as w; w.no_mesh_yet()"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        printed = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], printed
+    first = json.loads(printed[0].strip().splitlines()[-1])
+    print(first["message"])
+    assert first["message"] == (
+        "could not form the gloo process group along axis 'tp' over ranks [0, 1] within "
+        f"0:00:01. {MISSING}  rank 1 {RUNNING_HERE.format(pid=ranks[1].pid)}"
+    )
 
 
 @pytest.mark.fault  # a slow lane: .ci/run runs it (waits out a 3 s formation timeout)
