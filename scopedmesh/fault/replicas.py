@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import socket
 import threading
@@ -55,18 +56,22 @@ import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.c10d.store import ReplicaKeys, read
-from scopedmesh.errors import LostRankError, shown
+from scopedmesh.errors import JobFinishedError, LostRankError, StepError, shown
 from scopedmesh.fault.membership import Decision, complete_joiners, propose
 from scopedmesh.fault.state_transfer import (
-    Incoming,
-    Outgoing,
+    CollectiveFailed,
     Stateful,
     Transfer,
     broadcast_state,
+    receive_state,
+    run,
+    send_state,
+    timed,
 )
+from scopedmesh.fault.verdict import Flags, average, check_tensors, group_device, max_options
 from scopedmesh.layout.ints import is_int
 
-__all__ = ["Replicas", "Stateful", "Transfer"]
+__all__ = ["Replicas", "Stateful", "Transfer", "group_device"]
 
 PROBE_EVERY = 0.1  # seconds between two probes of one slot that has not answered yet
 PROBE_WAIT = 1.0  # seconds a probe's connect may take before it counts as "no answer yet"
@@ -96,7 +101,18 @@ def probe(address: str) -> bool | None:
         return None
 
 
-def _check_args(replica: object, replicas: object, state: object) -> dict[str, Stateful]:
+def _check_args(
+    store: object, replica: object, replicas: object, state: object, poll: object
+) -> dict[str, Stateful]:
+    if not isinstance(store, dist.Store):  # type: ignore[attr-defined]  # public; not in torch's stub exports
+        raise TypeError(
+            f"store must be a torch.distributed.Store (the job's TCPStore, hosted by the "
+            f"launcher), got {shown(store)}"
+        )
+    if not isinstance(poll, int | float) or isinstance(poll, bool):
+        raise TypeError(f"poll must be a number of seconds, got {shown(poll)}")
+    if not (math.isfinite(poll) and poll > 0):
+        raise ValueError(f"poll must be a positive, finite number of seconds, got {shown(poll)}")
     if not is_int(replicas) or isinstance(replicas, bool):
         raise TypeError(f"replicas must be an int, got {shown(replicas)}")
     if replicas < 1:
@@ -151,8 +167,13 @@ class Replicas:
         poll: float = 0.01,
         form_timeout: timedelta | float = 10.0,
     ) -> None:
-        self._state = _check_args(replica, replicas, state)
+        self._state = _check_args(store, replica, replicas, state, poll)
         self._timeout = check_timeout(timeout).total_seconds()
+        self._form_timeout = check_timeout(form_timeout, "form_timeout").total_seconds()
+        if host is not None and not isinstance(host, str):
+            raise TypeError(f"host must be a str or None, got {shown(host)}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a ProcessGroup or None (WORLD), got {shown(group)}")
         self._store, self._group, self._poll = store, group, float(poll)
         self.replica, self.replicas = int(replica), int(replicas)
         self.coordinate = dist.get_rank(group)
@@ -165,8 +186,12 @@ class Replicas:
         self.contributors: tuple[int, ...] = ()  # whose tensors the last agreed step averaged
         self._steps = 0  # agreed steps in this epoch
         self._behind: frozenset[int] = frozenset()  # joiners without the source's state yet
-        self._outgoing: Outgoing | None = None  # the source's catch-up of the fresh joiners
-        self._incoming: Incoming | None = None  # this joiner's catch-up
+        self._outgoing: list[int] | None = None  # the source's catch-up: the joiners' dp ranks
+        self._incoming: int | None = None  # this joiner's catch-up: the source's dp rank
+        self._error: BaseException | None = None  # what this rank raised in this step
+        self._finished = False
+        # The replica's own group takes the verdict's tensors here (CUDA if NCCL-only).
+        self._device = group_device(str(dist.get_backend(group)))
         self._pg: Any = None  # this epoch's dp group along this rank's coordinate
         self._dropping: threading.Thread | None = None  # lets go of the last epoch's group
         self._admission: tuple[threading.Thread, list[Any]] | None = None  # see boundary()
@@ -174,7 +199,6 @@ class Replicas:
         self._probed: dict[tuple[int, int], float] = {}
         self._dead_slots: set[tuple[int, int, str]] = set()  # (replica, coordinate, token)
         self._cleaned = -1  # the epoch whose older keys this rank last had deleted
-        self._form_timeout = check_timeout(form_timeout, "form_timeout").total_seconds()
         self._addresses: dict[tuple[int, int, str], str | None] = {}
         self._closed = False
         target = host or getattr(store, "host", None) or "127.0.0.1"
@@ -214,39 +238,89 @@ class Replicas:
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place along the dp group; True if every replica's step
-        succeeded (apply it), False if one failed (the state is re-synced at the next
-        :meth:`boundary`: redo the step). The average is over :attr:`contributors`
-        (in an admission's first step, the joiners contribute nothing)."""
+        succeeded (apply it), False if it counts nowhere: a replica failed (the state is
+        re-synced at the next :meth:`boundary`: redo the step), or, in an admission's
+        first step, the others called :meth:`finish` (the joiner now holds their final
+        state). The average is over :attr:`contributors` (in an admission's first step,
+        the joiners contribute nothing).
+
+        An exception inside the step (the state transfer's included) fails the step on
+        every member: the replica where it was raised gets :class:`StepError` on each
+        of its ranks (and is closed: restart it), the others False.
+        """
         self._check_open()
+        tensors = check_tensors(tensors)
         if self._pending is not None:
             raise RuntimeError(
                 f"replica {self.replica}: call boundary() before all_reduce_ ({self._pending} due)"
             )
+        return self._step(tensors)
+
+    def finish(self) -> bool:
+        """End the job here, on every replica at once: True once every member agreed that
+        this is the last step (every replica then holds the same state; a replica that
+        starts later gets :class:`JobFinishedError` at once). False: a member failed, or
+        redid the last step while this one committed it: call :meth:`boundary` and let
+        the loop's condition decide again (the state may be one step back).
+
+        >>> # while True:
+        >>> #     grow.boundary()
+        >>> #     if progress.step >= steps:
+        >>> #         if grow.finish(): break
+        >>> #         continue
+        >>> #     ...  # the step
+        """
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError(
+                f"replica {self.replica}: call boundary() before finish() ({self._pending} due)"
+            )
+        return self._step(None)
+
+    def _step(self, tensors: list[torch.Tensor] | None) -> bool:
+        """One step (``tensors``) or the end of the job (None), with its verdict."""
         decision = self._current()
         self._drain()
-        fresh = decision.fresh if self._steps == 0 else ()
+        self._error = None
+        catch_up = self._steps == 0 and bool(decision.fresh)
+        fresh = decision.fresh if catch_up else ()
         contributors = tuple(r for r in decision.replicas if r not in fresh)
-        if self._incoming is not None:
+        ok, mixed = True, False
+        if catch_up:  # the one step where a joiner's stale loop may step while others finish
+            votes = torch.tensor([int(tensors is None), int(tensors is not None)])
+            ok = self._dp(lambda pg: run(lambda: pg.allreduce([votes], max_options())))
+            mixed = bool(int(votes[0]) and int(votes[1]))
+        if tensors is not None and self._incoming is not None:
             for tensor in tensors:
                 tensor.zero_()  # this step's compute ran on the joiner's own state
-        ok = self._dp(lambda pg: self._average(pg, tensors, decision.size, len(contributors)))
-        ok = ok and self._dp(lambda pg: self._finish_catch_up(decision))
-        self._finish_drop()  # the last epoch's group, let go of while this step ran
-        joins = self._store.add(self.keys.joins, 0) if self.coordinate == 0 else 0
-        flags = torch.tensor([0 if ok else 1, joins], dtype=torch.int64)
-        if ok:
-            ok = self._dp(lambda pg: pg.allreduce([flags], _max()).wait())
-            flags[0] = max(int(flags[0]), 0 if ok else 1)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        if int(flags[0]):
-            self._pg = None  # close this rank's dp connections: peers fail at once
+        ok = ok and self._dp(lambda pg: self._catch_up(pg, decision))
+        if tensors is not None and not mixed:
+            n = len(contributors)
+            ok = ok and self._dp(lambda pg: average(pg, tensors, decision.size, n))
+        ok = self._guard(self._finish_drop) and ok  # the last epoch's group, let go of meanwhile
+        joins = 0
+        if tensors is not None and self.coordinate == 0 and ok:
+            joins = self._guarded(lambda: int(self._store.add(self.keys.joins, 0)), 0)
+            ok = ok and self._error is None
+        flags = Flags.of(ok, joins, None if self._error is None else self.coordinate)
+        if not self._agree(flags.values, ok):
             self._outgoing = self._incoming = None
             self._pending = "heal"
+            self._raise_if_error(flags, "a step")
             return False
+        self._raise_if_error(flags, "a step")
         self._steps += 1
         self._behind = frozenset()
+        self._outgoing = self._incoming = None
+        if mixed:
+            return False
+        if tensors is None:
+            self._finished = True
+            if decision.source == self.replica and self.coordinate == 0:
+                self._store.set(self.keys.finished, decision.text())
+            return True
         self.contributors = contributors
-        if int(flags[1]) > decision.joins:
+        if flags.joins > decision.joins:
             self._pending = "admit"
         if self._cleaned < decision.epoch and decision.source == self.replica:
             self._cleaned = decision.epoch
@@ -255,6 +329,33 @@ class Replicas:
         if self._pending == "admit":
             self._start_admission(decision)
         return True
+
+    def _agree(self, flags: torch.Tensor, ok: bool) -> bool:
+        """The verdict: ``flags`` MAXed along dp (if this rank's part went well) and then
+        along the replica's own group (on its device); True if no member failed."""
+        if ok:
+            ok = self._dp(lambda pg: run(lambda: pg.allreduce([flags], max_options())))
+            if not ok:
+                flags[0] = 1
+        world = flags.to(self._device)
+        dist.all_reduce(world, op=dist.ReduceOp.MAX, group=self._group)
+        flags.copy_(world.cpu())
+        return not int(flags[0])
+
+    def _raise_if_error(self, flags: Flags | torch.Tensor, where: str) -> None:
+        """After a verdict: if a rank of this replica raised, close and raise on every rank."""
+        flags = flags if isinstance(flags, Flags) else Flags(flags)
+        at = flags.error_at
+        if at is None:
+            return
+        origin, self._error = self._error, None
+        self.close()  # this slot's listener closes: the other replicas' heal sees it gone
+        raised = "" if origin is None else f": {type(origin).__name__}: {origin}"
+        raise StepError(
+            f"replica {self.replica} coordinate {at} raised in {where}"
+            f"{raised or ' (its own StepError names the exception)'}; the step failed on "
+            f"every member, and this replica left the job (restart it to rejoin)"
+        ) from origin
 
     # ------------------------------------------------------------------ lifetime
 
@@ -293,17 +394,20 @@ class Replicas:
     def _join(self) -> Decision:
         """Announce this incarnation, then wait for an epoch that admits it."""
         store, keys = self._store, self.keys
+        self._check_finished()
         before = read(store, keys.join(self.replica, self.coordinate))
         if before is not None and before != self.token:  # a dead predecessor's listener
             store.delete_key(keys.address(self.replica, self.coordinate, before))
         store.set(keys.join(self.replica, self.coordinate), self.token)
-        dist.barrier(group=self._group)  # every slot of this replica announced
+        # Every slot of this replica announced (a barrier, on the group's own device).
+        dist.all_reduce(torch.zeros(1, device=self._device), group=self._group)
         if self.coordinate == 0:
             store.add(keys.joins, 1)
         epoch, marked = int(read(store, keys.latest) or 0), -1
         deadline = time.monotonic() + self._timeout
         while True:
             self._drain()
+            self._check_finished()
             text = read(store, keys.decision(epoch))
             if text is None and epoch == 0 and read(store, keys.latest) is None:
                 text = self._bootstrap()
@@ -427,14 +531,18 @@ class Replicas:
                     f"{decision.epoch} ({decision.text()}): its slot was taken or it was "
                     f"found dead; restart the replica to rejoin"
                 )
-            self.decision, self._steps = decision, 0
+            self.decision, self._steps, self._error = decision, 0, None
             self._behind |= set(decision.fresh)
-            ok = self._form(decision) if formed is None else formed
-            ok = ok and self._dp(functools.partial(self._sync, decision=decision))
+            if formed is None:
+                formed = self._guarded(functools.partial(self._formed, decision), 0) == 1
+            ok = formed and self._dp(functools.partial(self._sync, decision=decision))
             formed = None
-            flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            if not int(flag[0]):
+            flags = Flags.of(ok, 0, None if self._error is None else self.coordinate)
+            world = flags.values.to(self._device)
+            dist.all_reduce(world, op=dist.ReduceOp.MAX, group=self._group)
+            flags.values.copy_(world.cpu())
+            self._raise_if_error(flags, f"entering epoch {decision.epoch}")
+            if not flags.failed:
                 self._pending = None
                 self.entered.append((decision.epoch, time.time(), decision.replicas))
                 if decision.source == self.replica and self.coordinate == 0:
@@ -442,6 +550,9 @@ class Replicas:
                 return
             self._outgoing = self._incoming = None
             decision = self._heal(decision)
+
+    def _formed(self, decision: Decision) -> int:
+        return int(self._form(decision))
 
     def _form(self, decision: Decision) -> bool:
         """Wait until this coordinate's slots of ``decision`` are ready (False if one is
@@ -478,7 +589,8 @@ class Replicas:
 
     def _sync(self, pg: Any, decision: Decision) -> None:
         """The source replica's state along this coordinate: a broadcast to every member,
-        or, at an admission, sends to the fresh joiners alone that complete meanwhile."""
+        or, at an admission, a catch-up of the fresh joiners alone in the epoch's first
+        step (:meth:`_catch_up`)."""
         if decision.size == 1:
             return
         source = decision.index(decision.source)
@@ -487,23 +599,23 @@ class Replicas:
             role, nbytes = broadcast_state(pg, self._state, source, decision.index(self.replica))
             seconds = time.perf_counter() - start
             self.transfers.append(Transfer(decision.epoch, role, nbytes, seconds))
-        elif decision.source == self.replica:  # the state the survivors start the step from
-            self._outgoing = Outgoing(self._state)
-            self._outgoing.post(pg, [decision.index(r) for r in decision.fresh])
+        elif decision.source == self.replica:
+            self._outgoing = [decision.index(r) for r in decision.fresh]
         elif self.replica in decision.fresh:
-            self._incoming = Incoming()
-            self._incoming.start(pg, source)
+            self._incoming = source
 
-    def _finish_catch_up(self, decision: Decision) -> None:
-        """The end of a catch-up, in the epoch's first step: the source's sends have left,
-        or the joiner has loaded them."""
+    def _catch_up(self, pg: Any, decision: Decision) -> None:
+        """The catch-up, in the epoch's first step, before its all-reduce: the source
+        sends the state it holds now (what the loop changed since the boundary, RNG
+        and counters, included), the joiners take it into their own tensors."""
         if self._outgoing is not None:
-            nbytes, seconds = self._outgoing.data.numel(), self._outgoing.finish()
+            joiners, self._outgoing = self._outgoing, None
+            nbytes, seconds = timed(lambda: send_state(pg, self._state, joiners))
             self.transfers.append(Transfer(decision.epoch, "sent", nbytes, seconds))
         if self._incoming is not None:
-            nbytes, seconds = len(self._incoming.received), self._incoming.finish(self._state)
+            source, self._incoming = self._incoming, None
+            nbytes, seconds = timed(lambda: receive_state(pg, self._state, source))
             self.transfers.append(Transfer(decision.epoch, "received", nbytes, seconds))
-        self._outgoing = self._incoming = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -539,37 +651,46 @@ class Replicas:
                 )
 
     def _dp(self, work: Callable[[Any], object]) -> bool:
-        """Run ``work`` on the dp group; False (and the group dropped) if it failed."""
+        """Run ``work`` on the dp group; False (and the group dropped: peers blocked on
+        this rank fail at once) if a collective failed or anything else was raised (kept
+        in ``_error``: the verdict turns it into this replica's :class:`StepError`)."""
         if self._pg is None:
             return self.decision is not None and self.decision.size == 1
         try:
             work(self._pg)
-        except RuntimeError as error:
-            self.failure = f"epoch {self._current().epoch}: {str(error).splitlines()[0][:300]}"
-            self._pg = None  # gloo's connections close now: peers blocked on us fail at once
+        except CollectiveFailed as error:
+            self.failure = f"epoch {self._current().epoch}: {error}"
+            self._pg = None
+            return False
+        except Exception as error:
+            self._fail_with(error)
             return False
         return True
 
-    @staticmethod
-    def _average(pg: Any, tensors: Sequence[torch.Tensor], size: int, contributors: int) -> None:
-        """The sum over the group's ``size`` members divided by its ``contributors``: one
-        all-reduce per dtype, one at a time (a failed one leaves no queued work behind:
-        gloo's group waits for its queue before it closes its connections)."""
-        if size == 1:
-            return
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            group = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.reshape(-1) for t in group])
-            pg.allreduce([flat]).wait()
-            flat.div_(contributors)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    def _guard(self, work: Callable[[], object]) -> bool:
+        """Run ``work`` (no collective); False, as :meth:`_dp`'s errors, if it raised."""
+        try:
+            work()
+        except Exception as error:
+            self._fail_with(error)
+            return False
+        return True
+
+    def _guarded(self, work: Callable[[], int], default: int) -> int:
+        result = [default]
+        self._guard(lambda: result.__setitem__(0, work()))
+        return result[0]
+
+    def _fail_with(self, error: Exception) -> None:
+        self.failure = f"epoch {self._current().epoch}: {type(error).__name__}: {error}"[:400]
+        self._error = self._error or error
+        self._pg = None
 
     def _agree_token(self) -> str:
         """One random token for this incarnation of the replica, the same on its ranks."""
-        value = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64)
+        value = torch.tensor(
+            [int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=self._device
+        )
         src = 0 if self._group is None else dist.get_global_rank(self._group, 0)
         dist.broadcast(value, src=src, group=self._group)
         return f"{int(value[0]):x}"
@@ -669,6 +790,16 @@ class Replicas:
             )
         time.sleep(self._poll)
 
+    def _check_finished(self) -> None:
+        """A :class:`JobFinishedError` if the job ended (:meth:`finish`) before this
+        incarnation was admitted."""
+        text = read(self._store, self.keys.finished)
+        if text is not None:
+            raise JobFinishedError(
+                f"replica {self.replica}: the job finished (its last epoch: {text}) before "
+                f"this incarnation (token {self.token}) was admitted; nothing to rejoin: exit"
+            )
+
     def _current(self) -> Decision:
         if self.decision is None:
             raise RuntimeError(f"replica {self.replica} has not joined yet: call boundary() first")
@@ -677,9 +808,3 @@ class Replicas:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"replica {self.replica}'s Replicas is closed")
-
-
-def _max() -> Any:
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stub: RedOpType
-    return options
