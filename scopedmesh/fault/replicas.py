@@ -43,7 +43,6 @@ import contextlib
 import functools
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,7 +56,9 @@ import torch.distributed as dist
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import JobFinishedError, LostRankError, StepError, shown
-from scopedmesh.fault.membership import Decision, complete_joiners, propose
+from scopedmesh.fault.membership import Decision, propose
+from scopedmesh.fault.probes import SlotProbes
+from scopedmesh.fault.records import Records
 from scopedmesh.fault.state_transfer import (
     CollectiveFailed,
     Stateful,
@@ -72,33 +73,6 @@ from scopedmesh.fault.verdict import Flags, average, check_tensors, group_device
 from scopedmesh.layout.ints import is_int
 
 __all__ = ["Replicas", "Stateful", "Transfer", "group_device"]
-
-PROBE_EVERY = 0.1  # seconds between two probes of one slot that has not answered yet
-PROBE_WAIT = 1.0  # seconds a probe's connect may take before it counts as "no answer yet"
-
-
-def _route_address(target: str) -> str:
-    """This host's address on the route to ``target`` (no traffic is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((target, 9))
-            address: str = probe.getsockname()[0]
-            return address
-    except OSError:
-        return "127.0.0.1"
-
-
-def probe(address: str) -> bool | None:
-    """Whether the process listening at ``host:port`` is gone (True), alive (False), or
-    unknown (None: no answer within :data:`PROBE_WAIT`). A dead process's port refuses."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=PROBE_WAIT):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return None
 
 
 def _check_args(
@@ -196,16 +170,13 @@ class Replicas:
         self._dropping: threading.Thread | None = None  # lets go of the last epoch's group
         self._admission: tuple[threading.Thread, list[Any]] | None = None  # see boundary()
         self._pending: str | None = "join"
-        self._probed: dict[tuple[int, int], float] = {}
-        self._dead_slots: set[tuple[int, int, str]] = set()  # (replica, coordinate, token)
         self._cleaned = -1  # the epoch whose older keys this rank last had deleted
-        self._addresses: dict[tuple[int, int, str], str | None] = {}
         self._closed = False
         target = host or getattr(store, "host", None) or "127.0.0.1"
-        self._listener = socket.create_server((_route_address(target), 0), backlog=1024)
-        self._listener.setblocking(False)
+        self._probes = SlotProbes(store, self.keys, target)
+        self._records = Records(store, self.keys, self.replicas, self.local, self._probes)
         self.token = self._agree_token()
-        address = "{}:{}".format(*self._listener.getsockname()[:2])
+        address = self._probes.address
         store.set(self.keys.address(self.replica, self.coordinate, self.token), address)
 
     # ------------------------------------------------------------------ the loop's calls
@@ -280,7 +251,7 @@ class Replicas:
     def _step(self, tensors: list[torch.Tensor] | None) -> bool:
         """One step (``tensors``) or the end of the job (None), with its verdict."""
         decision = self._current()
-        self._drain()
+        self._probes.drain()
         self._error = None
         catch_up = self._steps == 0 and bool(decision.fresh)
         fresh = decision.fresh if catch_up else ()
@@ -325,7 +296,7 @@ class Replicas:
         if self._cleaned < decision.epoch and decision.source == self.replica:
             self._cleaned = decision.epoch
             if self.coordinate == 0:
-                self._clean(decision)
+                self._records.clean(decision)
         if self._pending == "admit":
             self._start_admission(decision)
         return True
@@ -368,7 +339,7 @@ class Replicas:
         self._outgoing = self._incoming = None
         self._admission = None  # its thread sees the close at its next wait, and drops its group
         self._finish_drop()
-        self._listener.close()
+        self._probes.close()
         with contextlib.suppress(Exception):
             self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
 
@@ -406,7 +377,7 @@ class Replicas:
         epoch, marked = int(read(store, keys.latest) or 0), -1
         deadline = time.monotonic() + self._timeout
         while True:
-            self._drain()
+            self._probes.drain()
             self._check_finished()
             text = read(store, keys.decision(epoch))
             if text is None and epoch == 0 and read(store, keys.latest) is None:
@@ -429,12 +400,12 @@ class Replicas:
         """The first epoch, once every replica announced; None until then."""
         if self._store.add(self.keys.joins, 0) < self.replicas:
             return None
-        joiners = self._joiners(Decision(-1, (), 0, 0))
+        joiners = self._records.joiners(Decision(-1, (), 0, 0))
         if len(joiners) < self.replicas:
             return None
         joins = self._store.add(self.keys.joins, 0)
         first = propose(0, {}, joiners, joins)
-        return self._decide(first)
+        return self._records.decide(first)
 
     def _start_admission(self, current: Decision) -> None:
         """Decide and form the next epoch on a helper thread while the loop finishes its
@@ -480,9 +451,9 @@ class Replicas:
     def _admit(self, current: Decision) -> Decision:
         """The next epoch: every member and every complete joiner (no waiting)."""
         joins = self._store.add(self.keys.joins, 0)
-        joiners = self._joiners(current)
+        joiners = self._records.joiners(current)
         nxt = propose(current.epoch + 1, dict(current.members), joiners, joins, catch_up=True)
-        return Decision.parse(current.epoch + 1, self._decide(nxt))
+        return Decision.parse(current.epoch + 1, self._records.decide(nxt))
 
     def _heal(self, current: Decision) -> Decision:
         """After a failed step: check in, wait until every slot of ``current`` checked in
@@ -493,14 +464,14 @@ class Replicas:
         waiting = [(r, c) for r in current.replicas for c in range(self.local)]
         deadline = time.monotonic() + self._timeout
         while True:
-            self._drain()
+            self._probes.drain()
             text = read(store, keys.decision(nxt))
             if text is not None:
                 return Decision.parse(nxt, text)
             waiting = [
                 s for s in waiting if read(store, keys.checked_in(current.epoch, *s)) is None
             ]
-            dead = {r for r, c in waiting if self._dead(current, r, c)}
+            dead = {r for r, c in waiting if self._probes.dead(r, c, current.token(r))}
             undecided = sorted({r for r, _ in waiting} - dead)
             if not undecided:
                 joins = store.add(keys.joins, 0)
@@ -511,9 +482,9 @@ class Replicas:
                         f"while replicas {sorted(alive)} caught up from them in epoch "
                         f"{current.epoch}; restart the job from a checkpoint"
                     )
-                joiners = self._joiners(current)
+                joiners = self._records.joiners(current)
                 proposal = propose(nxt, alive, joiners, joins, behind=self._behind)
-                return Decision.parse(nxt, self._decide(proposal))
+                return Decision.parse(nxt, self._records.decide(proposal))
             self._wait_or_fail(
                 deadline,
                 f"replicas {undecided} of epoch {current.epoch} to check in after a failed "
@@ -562,11 +533,11 @@ class Replicas:
         deadline = time.monotonic() + self._timeout
         waiting = [r for r in decision.replicas if r != self.replica]
         while waiting:
-            self._drain()
+            self._probes.drain()
             waiting = [
                 r for r in waiting if read(store, keys.ready(epoch, r, self.coordinate)) is None
             ]
-            if any(self._dead(decision, r, self.coordinate) for r in waiting):
+            if any(self._probes.dead(r, self.coordinate, decision.token(r)) for r in waiting):
                 return False
             if waiting:
                 self._wait_or_fail(
@@ -694,91 +665,6 @@ class Replicas:
         src = 0 if self._group is None else dist.get_global_rank(self._group, 0)
         dist.broadcast(value, src=src, group=self._group)
         return f"{int(value[0]):x}"
-
-    def _joiners(self, current: Decision) -> dict[int, str]:
-        """Replicas whose every slot announced one token that ``current`` does not hold,
-        and whose slots are not dead (a dead incarnation's announcement stays)."""
-        keys = [self.keys.join(r, c) for r in range(self.replicas) for c in range(self.local)]
-        values = [read(self._store, k) for k in keys]
-        announced = [
-            (r, c, values[r * self.local + c])
-            for r in range(self.replicas)
-            for c in range(self.local)
-        ]
-        found = complete_joiners(announced, self.local)
-        return {
-            r: t
-            for r, t in found.items()
-            if current.token(r) != t and not any(self._gone(r, c, t) for c in range(self.local))
-        }
-
-    def _decide(self, proposal: Decision) -> str:
-        """Write ``proposal`` unless an epoch's decision exists; return the one that stands."""
-        value = self._store.compare_set(self.keys.decision(proposal.epoch), "", proposal.text())
-        return value.decode() if isinstance(value, bytes) else str(value)
-
-    def _dead(self, decision: Decision, replica: int, coordinate: int) -> bool:
-        """Whether slot (``replica``, ``coordinate``) of ``decision`` is known dead (probed
-        at most every :data:`PROBE_EVERY` seconds)."""
-        token = decision.token(replica)
-        if token is None or (replica, coordinate, token) in self._dead_slots:
-            return True
-        now = time.monotonic()
-        if now - self._probed.get((replica, coordinate), 0.0) < PROBE_EVERY:
-            return False
-        self._probed[(replica, coordinate)] = now
-        return self._gone(replica, coordinate, token)
-
-    def _gone(self, replica: int, coordinate: int, token: str) -> bool:
-        """Probe incarnation ``token`` of a slot: True once its port refused (kept), or its
-        address is gone (published before it announced; deleted by its successor or the
-        clean-up, once it is no member)."""
-        key = (replica, coordinate, token)
-        if key in self._dead_slots:
-            return True
-        if self._addresses.get(key) is None:
-            self._addresses[key] = read(self._store, self.keys.address(*key))
-        address = self._addresses[key]
-        if address is None or probe(address) is True:
-            self._dead_slots.add(key)
-            return True
-        return False
-
-    def _clean(self, decision: Decision) -> None:
-        """Once per epoch, after its first agreed step: delete older epochs' keys."""
-        store, keys = self._store, self.keys
-        cleaned = int(read(store, keys.cleaned) or 0)
-        if cleaned > decision.epoch:
-            return
-        current = set(decision.members)
-        for epoch in range(cleaned, decision.epoch):
-            text = read(store, keys.decision(epoch))
-            old = Decision.parse(epoch, text).members if text is not None else ()
-            for r, t in old:
-                if (r, t) not in current:
-                    for c in range(self.local):
-                        store.delete_key(keys.address(r, c, t))
-            for key in keys.epoch_keys(epoch, self.replicas, self.local):
-                store.delete_key(key)
-        formed = [keys.ready(decision.epoch, r, c) for r, c in self._slots()]
-        formed += [
-            keys.gloo_address(decision.epoch, c, m)
-            for c in range(self.local)
-            for m in range(decision.size)
-        ]
-        for key in formed:  # every member formed; its check-ins may still come
-            store.delete_key(key)
-        store.set(keys.cleaned, str(decision.epoch))  # its decision and check-ins stay
-
-    def _slots(self) -> list[tuple[int, int]]:
-        return [(r, c) for r in range(self.replicas) for c in range(self.local)]
-
-    def _drain(self) -> None:
-        """Accept and close the probes queued on this slot's listener (never blocks)."""
-        with contextlib.suppress(BlockingIOError, OSError):
-            while True:
-                conn, _ = self._listener.accept()
-                conn.close()
 
     def _wait_or_fail(self, deadline: float, what: str) -> None:
         if self._closed:

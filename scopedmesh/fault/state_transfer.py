@@ -22,9 +22,9 @@ loop moved since the boundary included).
 >>> [tuple(t.shape) for t in tensors]
 [(1, 2), (1,)]
 >>> mine = own_tensors({"model": other})
->>> plan = unpack_header(header, {"model": other})
+>>> plan = unpack_header(bytes(header.tolist()), {"model": other})
 >>> for index, (path, dtype, shape) in enumerate(plan.slots):
-...     mine[path].copy_(tensors[index])  # what the wire does, byte for byte
+...     _ = mine[path].copy_(tensors[index])  # what the wire does, byte for byte
 >>> plan.load({"model": other}, [mine[p] for p, _, _ in plan.slots])
 >>> torch.equal(model.weight, other.weight)
 True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -205,7 +206,7 @@ def test_bad_store_and_poll_are_refused_before_any_side_effect(
         opened.append(("listener", args))
         return Listener()
 
-    monkeypatch.setattr(module.socket, "create_server", listen)
+    monkeypatch.setattr(socket, "create_server", listen)
     monkeypatch.setattr(module.dist, "broadcast", lambda *a, **k: opened.append(("bcast", a)))
     monkeypatch.setattr(module.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 1)
