@@ -12,26 +12,27 @@ What a training loop writes (``examples/grow_replicas.py`` runs it)::
 
     with Replicas(store, replica=r, replicas=3, state={"model": model, "optim": opt,
                                                        "progress": progress}) as grow:
-        while progress.step < steps:
+        while True:
             grow.boundary()                         # join, admit joiners, drop the dead
+            if progress.step >= steps:              # agreed state: alike on every member
+                if grow.finish(): break             # every replica ends on this step
+                continue                            # False: a member redid the last step
             loss = compute_grads(model, progress.step)
             if grow.all_reduce_([p.grad for p in model.parameters()]):
                 opt.step(); progress.step += 1      # False: a replica died mid-step; redo it
 
-``boundary()`` costs nothing unless the last ``all_reduce_`` saw a change (an
-admission is decided and formed on a helper thread from that verdict on).
-``all_reduce_`` averages along the epoch's dp group, then agrees on the step's
-outcome: one store request per replica (the joins counter), a 2-integer MAX
-along dp and one along the replica's own group. So every member sees the same
-verdict at the same step: commit, commit and admit at the next boundary, or
-redo the step in a new epoch (a dp collective failed somewhere).
+``boundary()`` costs nothing unless the last step saw a change. ``all_reduce_``
+averages along the epoch's dp group, then agrees on the step's outcome (one
+store request per replica, a MAX along dp and one along the replica's own
+group): commit, commit and admit at the next boundary, or redo the step in a
+new epoch. An exception inside the step fails it everywhere: the replica that
+raised gets :class:`~scopedmesh.errors.StepError`, the others False.
 
-An admitted joiner catches up in the background: the running replicas step on
-at once, the source sends it a snapshot of its state meanwhile, and the
-joiner's first step counts for nothing (its tensors are zeroed, the average
-is over the others: ``contributors``); it loads the snapshot before that
-step's ``all_reduce_`` returns, so it applies the same update from the same
-state. Its compute in that step is thrown away: a loop may skip it while
+An admitted joiner catches up inside its first step: the source sends it the
+state it holds at that step's ``all_reduce_`` (RNG and counters the loop moved
+included), tensor by tensor into the joiner's own tensors, and the joiner's
+tensors count for nothing in that step (``contributors``), so it applies the
+same update from the same state. A loop may skip its compute while
 ``catching_up`` (the tensors must still have their shapes).
 
 docs/healing.md ("Grow back") gives the protocol, its store traffic and its limits.
@@ -232,21 +233,15 @@ class Replicas:
         this is the last step (every replica then holds the same state; a replica that
         starts later gets :class:`JobFinishedError` at once). False: a member failed, or
         redid the last step while this one committed it: call :meth:`boundary` and let
-        the loop's condition decide again (the state may be one step back).
-
-        >>> # while True:
-        >>> #     grow.boundary()
-        >>> #     if progress.step >= steps:
-        >>> #         if grow.finish(): break
-        >>> #         continue
-        >>> #     ...  # the step
+        the loop's condition decide again (the state may be one step back). The
+        module's docstring shows the loop.
         """
         self._check_open()
         if self._pending is not None:
             raise RuntimeError(
                 f"replica {self.replica}: call boundary() before finish() ({self._pending} due)"
             )
-        return self._step(None)
+        return self._finished or self._step(None)
 
     def _step(self, tensors: list[torch.Tensor] | None) -> bool:
         """One step (``tensors``) or the end of the job (None), with its verdict."""
