@@ -6,7 +6,9 @@ counter and the RNG beside it) to rank 1 (a joiner holding its own state of
 the same shapes), once as :class:`~scopedmesh.fault.replicas.Replicas` does now
 (:func:`~scopedmesh.fault.state_transfer.send_state` /
 :func:`~scopedmesh.fault.state_transfer.receive_state`: a header, then each
-tensor into the joiner's own), and once as it did before (``blob``: one
+tensor into the joiner's own), and once more with every tensor not contiguous (``staged``: each goes
+through one contiguous CPU copy on either side, one at a time), and once as it
+did before (``blob``: one
 ``torch.save`` of the whole state, its length and bytes, ``torch.load`` and
 ``load_state_dict``). Each rank measures its peak resident memory during the
 transfer over its resident memory before it (Linux: ``VmHWM`` reset through
@@ -61,11 +63,17 @@ def _reset_peak() -> None:
         clear.write("5")  # VmHWM := VmRSS
 
 
-def _state(mib: int, tensors: int, value: float) -> dict[str, Any]:
+def _state(mib: int, tensors: int, value: float, staged: bool) -> dict[str, Any]:
+    """``tensors`` parameters of ``mib`` MiB in all; ``staged``: each a transposed (not
+    contiguous) view, which the transfer stages through a contiguous CPU copy."""
     numel = mib * 2**20 // 4 // tensors
-    model = torch.nn.ParameterList(
-        [torch.nn.Parameter(torch.full((numel,), value + i)) for i in range(tensors)]
-    )
+
+    def one(i: int) -> torch.Tensor:
+        if staged:
+            return torch.full((1024, numel // 1024), value + i).t()
+        return torch.full((numel,), value + i)
+
+    model = torch.nn.ParameterList([torch.nn.Parameter(one(i)) for i in range(tensors)])
     return {"model": model, "progress": Progress()}
 
 
@@ -90,12 +98,12 @@ def _blob_receive(pg: Any, state: dict[str, Any]) -> None:
 def rank_main(rank: int, world_size: int, mib: int, tensors: int, way: str) -> dict[str, Any]:
     """One side of one transfer: its extra peak memory and seconds."""
     pg = dist.group.WORLD
-    state = _state(mib, tensors, float(rank))
+    state = _state(mib, tensors, float(rank), way == "staged")
     state["progress"].samples = 100 * (rank + 1)
     dist.barrier()
     _reset_peak()
     before, start = _status("VmRSS"), time.perf_counter()
-    if way == "tensor":
+    if way in ("tensor", "staged"):
         if rank == 0:
             send_state(pg, state, [1])
         else:
@@ -106,7 +114,7 @@ def rank_main(rank: int, world_size: int, mib: int, tensors: int, way: str) -> d
         _blob_receive(pg, state)
     seconds = time.perf_counter() - start
     extra = _status("VmHWM") - before
-    equal = all(float(p.detach()[0]) == float(i) for i, p in enumerate(state["model"]))
+    equal = all(float(p.detach().reshape(-1)[0]) == float(i) for i, p in enumerate(state["model"]))
     equal = equal and state["progress"].samples == 100
     dist.barrier()
     return {"extra": extra, "seconds": seconds, "equal": equal}
@@ -117,7 +125,11 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="MiB of registered state")
     parser.add_argument("--tensors", type=int, default=16, help="how many tensors hold it")
-    parser.add_argument("--ways", default="tensor,blob", help="tensor (now), blob (before)")
+    parser.add_argument(
+        "--ways",
+        default="tensor,staged,blob",
+        help="tensor (now), staged (now, every tensor not contiguous), blob (before)",
+    )
     return parser
 
 

@@ -222,8 +222,32 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _staged(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Staging:
+    """One CPU buffer of ``size`` bytes (the largest tensor that is not a contiguous CPU
+    one), reused for each such tensor in turn: a tensor's bytes go in (:meth:`put`) or
+    come out (:meth:`room`, then :meth:`settle`)."""
+
+    def __init__(self, size: int) -> None:
+        self._buffer = torch.empty(size, dtype=torch.uint8)
+
+    def room(self, nbytes: int) -> torch.Tensor:
+        return self._buffer[:nbytes]
+
+    def put(self, tensor: torch.Tensor) -> torch.Tensor:
+        view = self.room(_nbytes(tensor))
+        view.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return view
+
+    def settle(self, target: torch.Tensor) -> None:
+        target.copy_(self.room(_nbytes(target)).view(target.dtype).view(target.shape))
+
+
+def _stage_for(tensors: Iterable[torch.Tensor]) -> _Staging:
+    return _Staging(max((_nbytes(t) for t in tensors if _wire(t) is None), default=0))
 
 
 class _Receiver:
@@ -238,7 +262,7 @@ class _Receiver:
 
     def target(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tensor that will hold tensor ``index``, and its uint8 view to receive into
-        (None: receive into a staged CPU copy, then :meth:`settle`)."""
+        (None: receive through the staging buffer)."""
         path, dtype, shape = self.plan.slots[index]
         own = self.own.get(path)
         if own is not None and own.dtype == dtype and tuple(own.shape) == shape:
@@ -248,14 +272,6 @@ class _Receiver:
         fresh = torch.empty(shape, dtype=dtype, device=device)
         self.values.append(fresh)
         return fresh, _wire(fresh)
-
-    @staticmethod
-    def staging(target: torch.Tensor) -> torch.Tensor:
-        return torch.empty(target.numel() * target.element_size(), dtype=torch.uint8)
-
-    @staticmethod
-    def settle(target: torch.Tensor, staged: torch.Tensor) -> None:
-        target.copy_(staged.view(target.dtype).view(target.shape))
 
 
 def _device_for(own: Iterable[torch.Tensor]) -> torch.device:
@@ -283,14 +299,14 @@ def broadcast_state(
         header, tensors = pack(state)
         run(lambda: cast(torch.tensor([header.numel()], dtype=torch.int64)))
         run(lambda: cast(header))
-        nbytes, works = header.numel(), []
+        nbytes, works, staging = header.numel(), [], _stage_for(tensors)
         for tensor in tensors:
             view = _wire(tensor)
             if view is None:
-                wait(cast(_staged(tensor)))  # one staged copy at a time
+                wait(cast(staging.put(tensor)))  # one staged tensor at a time
             else:
                 works.append(cast(view))
-            nbytes += tensor.numel() * tensor.element_size()
+            nbytes += _nbytes(tensor)
         wait_all(works)
         return "sent", nbytes
     length = torch.zeros(1, dtype=torch.int64)
@@ -307,17 +323,18 @@ def send_state(pg: Any, state: Mapping[str, Stateful], joiners: Sequence[int]) -
     header, tensors = pack(state)
     length = torch.tensor([header.numel()], dtype=torch.int64)
     works: list[Any] = []
+    staging = _stage_for(tensors)
     for joiner in joiners:
         works.append(post(functools.partial(pg.send, [length], joiner, LENGTH_TAG)))
         works.append(post(functools.partial(pg.send, [header], joiner, HEADER_TAG)))
         for index, tensor in enumerate(tensors):
             view, tag = _wire(tensor), FIRST_TENSOR_TAG + index
-            if view is None:  # one staged copy at a time
-                run(functools.partial(pg.send, [_staged(tensor)], joiner, tag))
+            if view is None:  # one staged tensor at a time
+                run(functools.partial(pg.send, [staging.put(tensor)], joiner, tag))
             else:
                 works.append(post(functools.partial(pg.send, [view], joiner, tag)))
     wait_all(works)
-    return header.numel() + sum(t.numel() * t.element_size() for t in tensors)
+    return header.numel() + sum(_nbytes(t) for t in tensors)
 
 
 def receive_state(pg: Any, state: Mapping[str, Stateful], source: int) -> int:
@@ -340,16 +357,16 @@ def _take(
 ) -> int:
     """Receive each tensor of ``plan`` with ``transport(view, index)`` (a posted
     operation), then load; return the tensors' bytes."""
-    receiver, works, nbytes = _Receiver(state, plan), [], 0
-    for index in range(len(plan.slots)):
-        target, view = receiver.target(index)
-        if view is None:
-            staged = receiver.staging(target)  # one staged copy at a time
-            wait(transport(staged, index))
-            receiver.settle(target, staged)
+    receiver, works = _Receiver(state, plan), []
+    targets = [receiver.target(index) for index in range(len(plan.slots))]
+    staging = _Staging(max((_nbytes(t) for t, view in targets if view is None), default=0))
+    for index, (target, view) in enumerate(targets):
+        if view is None:  # one staged tensor at a time
+            wait(transport(staging.room(_nbytes(target)), index))
+            staging.settle(target)
         else:
             works.append(transport(view, index))
-        nbytes += target.numel() * target.element_size()
+    nbytes = sum(_nbytes(t) for t, _ in targets)
     wait_all(works)
     plan.load(state, receiver.values)
     return nbytes
