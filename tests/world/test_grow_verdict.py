@@ -60,8 +60,9 @@ def _run(job: ReplicaJob, body: Callable[[float], None]) -> dict[tuple[int, int]
 
 @pytest.mark.fault
 def test_rng_counter_and_batchnorm_differ_after_a_rejoin_were_a_step_behind() -> None:
-    """Before: ``registered state differs between replicas: ['model.1.running_mean',
-    'model.1.running_var', 'progress.rng', 'progress.samples']``."""
+    """Before: ``registered state differs between replicas: ['model.1.num_batches_tracked',
+    'model.1.running_mean', 'model.1.running_var', 'progress.rng', 'progress.samples']``
+    (the weights were equal)."""
     rng = random.Random()
     job = ReplicaJob(
         workers.stateful, replicas=2, local=1, args=(2,), max_restarts=3, restart_delay=1.0
