@@ -235,3 +235,17 @@ def test_any_tree_arrives_equal_and_lands_in_the_receivers_matching_tensors(
         if kept is not None and kept.dtype == dtype and tuple(kept.shape) == shape:
             landed = own_tensors(receiver)[path]
             assert landed.data_ptr() == kept.data_ptr() or kept.numel() == 0, path
+
+
+def test_a_modules_state_dict_keeps_torchs_version_metadata_through_the_header() -> None:
+    """Pins torch's ``_metadata`` on a module's ``state_dict()`` (an ``OrderedDict``
+    attribute holding each submodule's version, which ``load_state_dict`` hands to
+    ``_load_from_state_dict``): the header carries it to the receiver's load."""
+    from scopedmesh.fault.state_transfer import pack, unpack_header
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    metadata = model.state_dict()._metadata  # type: ignore[attr-defined]
+    assert metadata["1"]["version"] == torch.nn.BatchNorm1d._version
+    header, _ = pack({"model": model})
+    plan = unpack_header(bytes(header.tolist()), {"model": model})
+    assert plan.tree["model"]._metadata == metadata
