@@ -147,7 +147,7 @@ def pack(state: Mapping[str, Stateful]) -> tuple[torch.Tensor, list[torch.Tensor
         return None
 
     tree = {name: _mapped(obj.state_dict(), take) for name, obj in state.items()}
-    meta = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
+    meta = [(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.device.type) for t in tensors]
     buffer = io.BytesIO()
     torch.save({"tree": tree, "meta": meta}, buffer)
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8), tensors
@@ -167,11 +167,13 @@ def own_tensors(state: Mapping[str, Stateful]) -> dict[Path, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Plan:
-    """A received header: the tree to load and, per tensor, its place, dtype and shape."""
+    """A received header: the tree to load and, per tensor, its place, dtype and shape
+    (``slots``) and the type of the source's device (``devices``)."""
 
     tree: dict[str, Any]
     slots: list[tuple[Path, torch.dtype, tuple[int, ...]]]
     sharded: bool
+    devices: list[str]
 
     def load(self, state: Mapping[str, Stateful], values: Sequence[torch.Tensor]) -> None:
         """Put ``values`` (the tensors, in order) in the tree and load it into ``state``."""
@@ -206,13 +208,14 @@ def unpack_header(header: bytes | bytearray, state: Mapping[str, Stateful]) -> P
             f"{sorted(state)}: every replica must register the same names"
         )
     places = dict((index, path) for path, index in _refs(tree, ()))
-    slots = []
-    for index, (dtype_name, shape) in enumerate(meta):
+    slots, devices = [], []
+    for index, (dtype_name, shape, device_type) in enumerate(meta):
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype) or index not in places:
             raise ValueError(f"the source's header is corrupt at tensor {index} ({dtype_name})")
         slots.append((places[index], dtype, tuple(int(s) for s in shape)))
-    return Plan(tree, slots, sharded)
+        devices.append(str(device_type))
+    return Plan(tree, slots, sharded, devices)
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -252,8 +255,9 @@ def _stage_for(tensors: Iterable[torch.Tensor]) -> _Staging:
 
 class _Receiver:
     """Where each incoming tensor lands: into this process's own tensor at its place (same
-    dtype and shape), else into a new one on the device of its counterpart or this
-    process's current CUDA device if the state lives there, else the CPU."""
+    dtype and shape), else into a new one: on its counterpart's device if it has one,
+    else on this process's device of the source's kind (a CPU tensor stays on the CPU,
+    as Adam's ``step`` must; a CUDA one goes to this process's CUDA device)."""
 
     def __init__(self, state: Mapping[str, Stateful], plan: Plan) -> None:
         self.own = own_tensors(state)
@@ -268,16 +272,29 @@ class _Receiver:
         if own is not None and own.dtype == dtype and tuple(own.shape) == shape:
             self.values.append(own)
             return own, _wire(own)
-        device = own.device if own is not None else _device_for(self.own.values())
+        kind = self.plan.devices[index]
+        device = own.device if own is not None else _device_for(kind, self.own.values())
         fresh = torch.empty(shape, dtype=dtype, device=device)
         self.values.append(fresh)
         return fresh, _wire(fresh)
 
 
-def _device_for(own: Iterable[torch.Tensor]) -> torch.device:
+def _device_for(kind: str, own: Iterable[torch.Tensor]) -> torch.device:
+    """This process's device of type ``kind``: the one its own state uses, else the
+    current CUDA device, else the CPU.
+
+    >>> _device_for("cpu", [torch.zeros(1, device="meta")])
+    device(type='cpu')
+    >>> _device_for("meta", [torch.zeros(1, device="meta")])
+    device(type='meta')
+    """
+    if kind == "cpu":
+        return torch.device("cpu")
     for tensor in own:
-        if tensor.device.type != "cpu":
+        if tensor.device.type == kind:
             return torch.device(tensor.device)
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
