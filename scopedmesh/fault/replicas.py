@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import threading
 import time
@@ -64,50 +63,23 @@ from scopedmesh.fault.state_transfer import (
     CollectiveFailed,
     Stateful,
     Transfer,
+    UnmovableState,
     broadcast_state,
     receive_state,
     run,
     send_state,
     timed,
 )
-from scopedmesh.fault.verdict import Flags, average, check_tensors, group_device, max_options
-from scopedmesh.layout.ints import is_int
+from scopedmesh.fault.verdict import (
+    Flags,
+    average,
+    check_args,
+    check_tensors,
+    group_device,
+    max_options,
+)
 
 __all__ = ["Replicas", "Stateful", "Transfer", "group_device"]
-
-
-def _check_args(
-    store: object, replica: object, replicas: object, state: object, poll: object
-) -> dict[str, Stateful]:
-    if not isinstance(store, dist.Store):  # type: ignore[attr-defined]  # public; not in torch's stub exports
-        raise TypeError(
-            f"store must be a torch.distributed.Store (the job's TCPStore, hosted by the "
-            f"launcher), got {shown(store)}"
-        )
-    if not isinstance(poll, int | float) or isinstance(poll, bool):
-        raise TypeError(f"poll must be a number of seconds, got {shown(poll)}")
-    if not (math.isfinite(poll) and poll > 0):
-        raise ValueError(f"poll must be a positive, finite number of seconds, got {shown(poll)}")
-    if not is_int(replicas) or isinstance(replicas, bool):
-        raise TypeError(f"replicas must be an int, got {shown(replicas)}")
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {shown(replicas)}")
-    if not is_int(replica) or isinstance(replica, bool):
-        raise TypeError(f"replica must be an int, got {shown(replica)}")
-    if not 0 <= replica < replicas:
-        raise ValueError(f"replica must be in 0..{replicas - 1}, got {shown(replica)}")
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to stateful objects, got {shown(state)}")
-    for name, obj in state.items():
-        if not isinstance(name, str):
-            raise TypeError(f"state's names must be str, got {shown(name)}")
-        if not callable(getattr(obj, "state_dict", None)) or not callable(
-            getattr(obj, "load_state_dict", None)
-        ):
-            raise TypeError(
-                f"state[{name!r}] must have state_dict() and load_state_dict(), got {shown(obj)}"
-            )
-    return dict(state)
 
 
 class Replicas:
@@ -142,7 +114,7 @@ class Replicas:
         poll: float = 0.01,
         form_timeout: timedelta | float = 10.0,
     ) -> None:
-        self._state = _check_args(store, replica, replicas, state, poll)
+        self._state = check_args(store, replica, replicas, state, poll)
         self._timeout = check_timeout(timeout).total_seconds()
         self._form_timeout = check_timeout(form_timeout, "form_timeout").total_seconds()
         if host is not None and not isinstance(host, str):
@@ -164,6 +136,7 @@ class Replicas:
         self._outgoing: list[int] | None = None  # the source's catch-up: the joiners' dp ranks
         self._incoming: int | None = None  # this joiner's catch-up: the source's dp rank
         self._error: BaseException | None = None  # what this rank raised in this step
+        self._unmovable: UnmovableState | None = None  # the source could not pack its state
         self._finished = False
         # The replica's own group takes the verdict's tensors here (CUDA if NCCL-only).
         self._device = group_device(str(dist.get_backend(group)))
@@ -247,7 +220,7 @@ class Replicas:
         """One step (``tensors``) or the end of the job (None), with its verdict."""
         decision = self._current()
         self._probes.drain()
-        self._error = None
+        self._error = self._unmovable = None
         catch_up = self._steps == 0 and bool(decision.fresh)
         fresh = decision.fresh if catch_up else ()
         contributors = tuple(r for r in decision.replicas if r not in fresh)
@@ -268,7 +241,7 @@ class Replicas:
         if tensors is not None and self.coordinate == 0 and ok:
             joins = self._guarded(lambda: int(self._store.add(self.keys.joins, 0)), 0)
             ok = ok and self._error is None
-        flags = Flags.of(ok, joins, None if self._error is None else self.coordinate)
+        flags = self._flags(ok, joins)
         if not self._agree(flags.values, ok):
             self._outgoing = self._incoming = None
             self._pending = "heal"
@@ -308,15 +281,32 @@ class Replicas:
         flags.copy_(world.cpu())
         return not int(flags[0])
 
-    def _raise_if_error(self, flags: Flags | torch.Tensor, where: str) -> None:
-        """After a verdict: if a rank of this replica raised, close and raise on every rank."""
-        flags = flags if isinstance(flags, Flags) else Flags(flags)
-        at = flags.error_at
-        if at is None:
+    def _flags(self, ok: bool, joins: int) -> Flags:
+        mine = self.coordinate
+        return Flags.of(
+            ok,
+            joins,
+            None if self._error is None else mine,
+            None if self._unmovable is None else mine,
+        )
+
+    def _raise_if_error(self, flags: Flags, where: str) -> None:
+        """After a verdict: if this replica's rank raised, close and raise on every rank of
+        it; if a source could not pack its state, on every member."""
+        unmovable, at = flags.unmovable_at, flags.error_at
+        if unmovable is None and at is None:
             return
-        origin, self._error = self._error, None
+        origin: BaseException | None = self._unmovable if unmovable is not None else self._error
+        self._error = self._unmovable = None
         self.close()  # this slot's listener closes: the other replicas' heal sees it gone
         raised = "" if origin is None else f": {type(origin).__name__}: {origin}"
+        if unmovable is not None:
+            raise StepError(
+                f"replica {self._current().source} coordinate {unmovable} (the source) could "
+                f"not pack its registered state in {where}{raised}; no replica can take the "
+                f"job's state from it, so every member stops: fix the state and restart "
+                f"from a checkpoint"
+            ) from origin
         raise StepError(
             f"replica {self.replica} coordinate {at} raised in {where}"
             f"{raised or ' (its own StepError names the exception)'}; the step failed on "
@@ -497,13 +487,14 @@ class Replicas:
                     f"{decision.epoch} ({decision.text()}): its slot was taken or it was "
                     f"found dead; restart the replica to rejoin"
                 )
-            self.decision, self._steps, self._error = decision, 0, None
+            self.decision, self._steps = decision, 0
+            self._error = self._unmovable = None
             self._behind |= set(decision.fresh)
             if formed is None:
                 formed = self._guarded(functools.partial(self._formed, decision), 0) == 1
             ok = formed and self._dp(functools.partial(self._sync, decision=decision))
             formed = None
-            flags = Flags.of(ok, 0, None if self._error is None else self.coordinate)
+            flags = self._flags(ok, 0)
             world = flags.values.to(self._device)
             dist.all_reduce(world, op=dist.ReduceOp.MAX, group=self._group)
             flags.values.copy_(world.cpu())
@@ -624,6 +615,9 @@ class Replicas:
             return self.decision is not None and self.decision.size == 1
         try:
             work(self._pg)
+        except UnmovableState as error:  # nothing else was sent: the group stays intact
+            self._unmovable = self._unmovable or error
+            return True
         except CollectiveFailed as error:
             self.failure = f"epoch {self._current().epoch}: {error}"
             self._pg = None

@@ -73,6 +73,15 @@ class CollectiveFailed(RuntimeError):
     dropped the group). Anything else a transfer raises is an error of the state."""
 
 
+class UnmovableState(Exception):
+    """The source could not pack its registered state (raised there, chained to why),
+    or, on a receiver, the source said so (a header length of -1): no replica can
+    take the job's state from it, and the group is intact (nothing else was sent)."""
+
+
+UNMOVABLE = -1  # the header length a source sends when it cannot pack its state
+
+
 @dataclass(frozen=True)
 class Transfer:
     """One state transfer: ``epoch``, ``role`` (``sent`` or ``received``), ``nbytes``,
@@ -142,6 +151,8 @@ def pack(state: Mapping[str, Stateful]) -> tuple[torch.Tensor, list[torch.Tensor
         if wire is not None:
             return _mapped(wire, take)
         if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.is_quantized:
+                raise TypeError(f"a registered tensor must be dense, got {value.layout}")
             tensors.append(value.detach())
             return {_REF: len(tensors) - 1}
         return None
@@ -313,7 +324,7 @@ def broadcast_state(
         return post(lambda: pg.broadcast([tensor], options))
 
     if rank == root:
-        header, tensors = pack(state)
+        header, tensors = _packed(state, lambda length: run(lambda: cast(length)))
         run(lambda: cast(torch.tensor([header.numel()], dtype=torch.int64)))
         run(lambda: cast(header))
         nbytes, works, staging = header.numel(), [], _stage_for(tensors)
@@ -337,7 +348,12 @@ def broadcast_state(
 def send_state(pg: Any, state: Mapping[str, Stateful], joiners: Sequence[int]) -> int:
     """Send this member's state to each of ``joiners`` (ranks of ``pg``); return the bytes
     sent to each. Waits until every joiner received everything."""
-    header, tensors = pack(state)
+
+    def refuse(length: torch.Tensor) -> None:
+        for joiner in joiners:
+            run(functools.partial(pg.send, [length], joiner, LENGTH_TAG))
+
+    header, tensors = _packed(state, refuse)
     length = torch.tensor([header.numel()], dtype=torch.int64)
     works: list[Any] = []
     staging = _stage_for(tensors)
@@ -389,8 +405,22 @@ def _take(
     return nbytes
 
 
+def _packed(
+    state: Mapping[str, Stateful], refuse: Callable[[torch.Tensor], None]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`pack`; if it raises, ``refuse`` tells the receivers (a length of -1) and
+    :class:`UnmovableState` says why."""
+    try:
+        return pack(state)
+    except Exception as error:
+        refuse(torch.tensor([UNMOVABLE], dtype=torch.int64))
+        raise UnmovableState(f"{type(error).__name__}: {error}") from error
+
+
 def _checked_length(length: torch.Tensor) -> int:
     value = int(length[0])
+    if value == UNMOVABLE:
+        raise UnmovableState("the source could not pack its registered state (its error says why)")
     if not 0 < value <= MAX_HEADER:
         raise ValueError(f"the source's header length is {value} bytes: corrupt")
     return value

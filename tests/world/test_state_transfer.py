@@ -144,7 +144,27 @@ def test_a_transfer_holds_about_its_largest_tensor_beside_the_state() -> None:
         assert side["extra"] <= 8 * 2**20 + 8 * 2**20, side
 
 
-@pytest.mark.parametrize("bad", [-1, 0])
+def test_an_unpicklable_source_tells_its_receivers_and_the_group_stays_usable() -> None:
+    from scopedmesh.fault.state_transfer import UnmovableState
+
+    source, joiner = _trained(1), _trained(2)
+    source["counter"].samples = threading.Lock()  # type: ignore[assignment]  # pickle refuses
+    pg0, pg1 = _groups(2)
+    sent, received = _together(
+        [lambda: send_state(pg0, source, [1]), lambda: receive_state(pg1, joiner, 0)]
+    )
+    assert isinstance(sent, UnmovableState) and "cannot pickle" in str(sent), sent
+    assert isinstance(sent.__cause__, TypeError)
+    assert isinstance(received, UnmovableState), received
+    ones = [torch.ones(2), torch.ones(2)]  # nothing else was sent: the group still works
+    done = _together(
+        [lambda: pg0.allreduce([ones[0]]).wait(), lambda: pg1.allreduce([ones[1]]).wait()]
+    )
+    assert done == [True, True], done
+    assert [t.tolist() for t in ones] == [[2.0, 2.0], [2.0, 2.0]]
+
+
+@pytest.mark.parametrize("bad", [-2, 0])
 def test_a_corrupt_length_is_a_value_error(bad: int) -> None:
     from scopedmesh.fault.state_transfer import _checked_length
 
