@@ -20,8 +20,10 @@ as the torchft comparison does; 0: at once). Per kill it prints:
   its admission (the new epoch formed; its state arrives during the next step);
 - **stall**: the survivors' step that admitted the joiner, minus their median
   step (both from agreed steps' end times);
-- **transfer**: the bytes the source sent the joiner, and the time from its
-  snapshot until the last byte left (a broadcast's time after a heal).
+- **transfer**: the bytes the source sent the joiner, and the time of the
+  send (inside the admission's first step, before its all-reduce, since issue
+  37; from the boundary's snapshot until the last byte left before it), or a
+  broadcast's time after a heal.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def worker(steps: int, pace: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from scopedmesh import Replicas
+    from scopedmesh import JobFinishedError, Replicas
 
     # this replica's own WORLD (its agent's rendezvous); gloo's default wait is 30 minutes
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -77,25 +77,38 @@ def worker(steps: int, pace: float) -> None:
     progress = Progress()
     state = {"model": model, "optim": optim, "progress": progress}
     replicas = int(os.environ["REPLICAS"])
-    with Replicas(store, replica=replica, replicas=replicas, state=state) as grow:
-        # `steps` steps, then on until every replica is back (a bound: 20 times as many)
-        while progress.step < steps or (grow.size < replicas and progress.step < 20 * steps):
-            decision = grow.boundary()
-            optim.zero_grad()
-            # each replica its own data: seeded by (replica, coordinate, step)
-            g = torch.Generator().manual_seed(replica * 7919 + coordinate * 104729 + progress.step)
-            x = torch.randn(16, 64, generator=g)
-            model(x).square().mean().backward()
-            if grow.all_reduce_([p.grad for p in model.parameters() if p.grad is not None]):
-                optim.step()
-                progress.step += 1
-                progress.shapes.append(decision.size)
-            time.sleep(pace)
-        buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, buffer)
-        digest = hashlib.sha256(buffer.getvalue()).hexdigest()[:16]
-        sizes = "".join(str(s) for s in progress.shapes[1:])
-        say(f"{tag} done: {progress.step} steps, sizes {sizes} digest {digest}")
+    try:
+        with Replicas(store, replica=replica, replicas=replicas, state=state) as grow:
+            while True:
+                decision = grow.boundary()
+                # `steps` steps, then on until every replica is back (a bound: 20 times as
+                # many); the step and the epoch's size are agreed: every member decides alike
+                whole = decision.size == replicas or progress.step >= 20 * steps
+                if progress.step >= steps and whole:
+                    if grow.finish():  # every replica ends on this step
+                        break
+                    continue  # a member redid the last step: boundary() re-syncs
+                optim.zero_grad()
+                # each replica its own data: seeded by (replica, coordinate, step)
+                g = torch.Generator().manual_seed(
+                    replica * 7919 + coordinate * 104729 + progress.step
+                )
+                x = torch.randn(16, 64, generator=g)
+                model(x).square().mean().backward()
+                if grow.all_reduce_([p.grad for p in model.parameters() if p.grad is not None]):
+                    optim.step()
+                    progress.step += 1
+                    progress.shapes.append(decision.size)
+                time.sleep(pace)
+    except JobFinishedError as error:  # started after the end: nothing to rejoin, exit 0
+        say(f"{tag} {error}")
+        dist.destroy_process_group()
+        return
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, buffer)
+    digest = hashlib.sha256(buffer.getvalue()).hexdigest()[:16]
+    sizes = "".join(str(s) for s in progress.shapes[1:])
+    say(f"{tag} done: {progress.step} steps, sizes {sizes} digest {digest}")
     dist.destroy_process_group()
 
 

@@ -18,8 +18,10 @@ from scopedmesh.errors import (
     AxisError,
     CoordinateError,
     GroupFormationError,
+    JobFinishedError,
     LostRankError,
     MeshClosedError,
+    StepError,
 )
 from scopedmesh.layout import MeshLayout
 
@@ -36,12 +38,14 @@ __all__ = [
     "AxisError",
     "CoordinateError",
     "GroupFormationError",
+    "JobFinishedError",
     "LivenessWatch",
     "LostRankError",
     "MeshClosedError",
     "MeshLayout",
     "ProcessGroupMesh",
     "Replicas",
+    "StepError",
     "__version__",
     "agree_on_lost",
     "node_aware_mesh",

@@ -16,8 +16,10 @@ __all__ = [
     "AxisError",
     "CoordinateError",
     "GroupFormationError",
+    "JobFinishedError",
     "LostRankError",
     "MeshClosedError",
+    "StepError",
 ]
 
 
@@ -51,6 +53,20 @@ class CoordinateError(ValueError, IndexError):
 
 class LostRankError(RuntimeError):
     """This rank was declared lost by the survivors' verdict: it must not join the new mesh."""
+
+
+class StepError(RuntimeError):
+    """An exception inside a replicated step (or its state transfer) on a rank of this
+    replica: the step failed on every member, and this replica left the job.
+
+    Raised on every rank of that replica, chained (``__cause__``) to the original
+    exception on the rank that raised it; the other replicas see a failed step.
+    """
+
+
+class JobFinishedError(RuntimeError):
+    """A replica started after its replicated job finished (``Replicas.finish()``): there
+    is nothing to rejoin, and the process should exit."""
 
 
 _SHOWN = reprlib.Repr()

@@ -405,6 +405,11 @@ class ReplicaKeys:
         return f"{self.root}/latest"
 
     @property
+    def finished(self) -> str:
+        """The last epoch's decision, once every member agreed the job ended (``finish``)."""
+        return f"{self.root}/finished"
+
+    @property
     def cleaned(self) -> str:
         """The epochs below this one have no key left."""
         return f"{self.root}/cleaned"

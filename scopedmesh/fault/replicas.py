@@ -12,26 +12,27 @@ What a training loop writes (``examples/grow_replicas.py`` runs it)::
 
     with Replicas(store, replica=r, replicas=3, state={"model": model, "optim": opt,
                                                        "progress": progress}) as grow:
-        while progress.step < steps:
+        while True:
             grow.boundary()                         # join, admit joiners, drop the dead
+            if progress.step >= steps:              # agreed state: alike on every member
+                if grow.finish(): break             # every replica ends on this step
+                continue                            # False: a member redid the last step
             loss = compute_grads(model, progress.step)
             if grow.all_reduce_([p.grad for p in model.parameters()]):
                 opt.step(); progress.step += 1      # False: a replica died mid-step; redo it
 
-``boundary()`` costs nothing unless the last ``all_reduce_`` saw a change (an
-admission is decided and formed on a helper thread from that verdict on).
-``all_reduce_`` averages along the epoch's dp group, then agrees on the step's
-outcome: one store request per replica (the joins counter), a 2-integer MAX
-along dp and one along the replica's own group. So every member sees the same
-verdict at the same step: commit, commit and admit at the next boundary, or
-redo the step in a new epoch (a dp collective failed somewhere).
+``boundary()`` costs nothing unless the last step saw a change. ``all_reduce_``
+averages along the epoch's dp group, then agrees on the step's outcome (one
+store request per replica, a MAX along dp and one along the replica's own
+group): commit, commit and admit at the next boundary, or redo the step in a
+new epoch. An exception inside the step fails it everywhere: the replica that
+raised gets :class:`~scopedmesh.errors.StepError`, the others False.
 
-An admitted joiner catches up in the background: the running replicas step on
-at once, the source sends it a snapshot of its state meanwhile, and the
-joiner's first step counts for nothing (its tensors are zeroed, the average
-is over the others: ``contributors``); it loads the snapshot before that
-step's ``all_reduce_`` returns, so it applies the same update from the same
-state. Its compute in that step is thrown away: a loop may skip it while
+An admitted joiner catches up inside its first step: the source sends it the
+state it holds at that step's ``all_reduce_`` (RNG and counters the loop moved
+included), tensor by tensor into the joiner's own tensors, and the joiner's
+tensors count for nothing in that step (``contributors``), so it applies the
+same update from the same state. A loop may skip its compute while
 ``catching_up`` (the tensors must still have their shapes).
 
 docs/healing.md ("Grow back") gives the protocol, its store traffic and its limits.
@@ -42,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -55,68 +55,31 @@ import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.c10d.store import ReplicaKeys, read
-from scopedmesh.errors import LostRankError, shown
-from scopedmesh.fault.membership import Decision, complete_joiners, propose
+from scopedmesh.errors import JobFinishedError, LostRankError, StepError, shown
+from scopedmesh.fault.membership import Decision, propose
+from scopedmesh.fault.probes import SlotProbes
+from scopedmesh.fault.records import Records
 from scopedmesh.fault.state_transfer import (
-    Incoming,
-    Outgoing,
+    CollectiveFailed,
     Stateful,
     Transfer,
+    UnmovableState,
     broadcast_state,
+    receive_state,
+    run,
+    send_state,
+    timed,
 )
-from scopedmesh.layout.ints import is_int
+from scopedmesh.fault.verdict import (
+    Flags,
+    average,
+    check_args,
+    check_tensors,
+    group_device,
+    max_options,
+)
 
-__all__ = ["Replicas", "Stateful", "Transfer"]
-
-PROBE_EVERY = 0.1  # seconds between two probes of one slot that has not answered yet
-PROBE_WAIT = 1.0  # seconds a probe's connect may take before it counts as "no answer yet"
-
-
-def _route_address(target: str) -> str:
-    """This host's address on the route to ``target`` (no traffic is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((target, 9))
-            address: str = probe.getsockname()[0]
-            return address
-    except OSError:
-        return "127.0.0.1"
-
-
-def probe(address: str) -> bool | None:
-    """Whether the process listening at ``host:port`` is gone (True), alive (False), or
-    unknown (None: no answer within :data:`PROBE_WAIT`). A dead process's port refuses."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=PROBE_WAIT):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return None
-
-
-def _check_args(replica: object, replicas: object, state: object) -> dict[str, Stateful]:
-    if not is_int(replicas) or isinstance(replicas, bool):
-        raise TypeError(f"replicas must be an int, got {shown(replicas)}")
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {shown(replicas)}")
-    if not is_int(replica) or isinstance(replica, bool):
-        raise TypeError(f"replica must be an int, got {shown(replica)}")
-    if not 0 <= replica < replicas:
-        raise ValueError(f"replica must be in 0..{replicas - 1}, got {shown(replica)}")
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to stateful objects, got {shown(state)}")
-    for name, obj in state.items():
-        if not isinstance(name, str):
-            raise TypeError(f"state's names must be str, got {shown(name)}")
-        if not callable(getattr(obj, "state_dict", None)) or not callable(
-            getattr(obj, "load_state_dict", None)
-        ):
-            raise TypeError(
-                f"state[{name!r}] must have state_dict() and load_state_dict(), got {shown(obj)}"
-            )
-    return dict(state)
+__all__ = ["Replicas", "Stateful", "Transfer", "group_device"]
 
 
 class Replicas:
@@ -151,8 +114,13 @@ class Replicas:
         poll: float = 0.01,
         form_timeout: timedelta | float = 10.0,
     ) -> None:
-        self._state = _check_args(replica, replicas, state)
+        self._state = check_args(store, replica, replicas, state, poll)
         self._timeout = check_timeout(timeout).total_seconds()
+        self._form_timeout = check_timeout(form_timeout, "form_timeout").total_seconds()
+        if host is not None and not isinstance(host, str):
+            raise TypeError(f"host must be a str or None, got {shown(host)}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a ProcessGroup or None (WORLD), got {shown(group)}")
         self._store, self._group, self._poll = store, group, float(poll)
         self.replica, self.replicas = int(replica), int(replicas)
         self.coordinate = dist.get_rank(group)
@@ -165,23 +133,24 @@ class Replicas:
         self.contributors: tuple[int, ...] = ()  # whose tensors the last agreed step averaged
         self._steps = 0  # agreed steps in this epoch
         self._behind: frozenset[int] = frozenset()  # joiners without the source's state yet
-        self._outgoing: Outgoing | None = None  # the source's catch-up of the fresh joiners
-        self._incoming: Incoming | None = None  # this joiner's catch-up
+        self._outgoing: list[int] | None = None  # the source's catch-up: the joiners' dp ranks
+        self._incoming: int | None = None  # this joiner's catch-up: the source's dp rank
+        self._error: BaseException | None = None  # what this rank raised in this step
+        self._unmovable: UnmovableState | None = None  # the source could not pack its state
+        self._finished = False
+        # The replica's own group takes the verdict's tensors here (CUDA if NCCL-only).
+        self._device = group_device(str(dist.get_backend(group)))
         self._pg: Any = None  # this epoch's dp group along this rank's coordinate
         self._dropping: threading.Thread | None = None  # lets go of the last epoch's group
         self._admission: tuple[threading.Thread, list[Any]] | None = None  # see boundary()
         self._pending: str | None = "join"
-        self._probed: dict[tuple[int, int], float] = {}
-        self._dead_slots: set[tuple[int, int, str]] = set()  # (replica, coordinate, token)
         self._cleaned = -1  # the epoch whose older keys this rank last had deleted
-        self._form_timeout = check_timeout(form_timeout, "form_timeout").total_seconds()
-        self._addresses: dict[tuple[int, int, str], str | None] = {}
         self._closed = False
         target = host or getattr(store, "host", None) or "127.0.0.1"
-        self._listener = socket.create_server((_route_address(target), 0), backlog=1024)
-        self._listener.setblocking(False)
+        self._probes = SlotProbes(store, self.keys, target)
+        self._records = Records(store, self.keys, self.replicas, self.local, self._probes)
         self.token = self._agree_token()
-        address = "{}:{}".format(*self._listener.getsockname()[:2])
+        address = self._probes.address
         store.set(self.keys.address(self.replica, self.coordinate, self.token), address)
 
     # ------------------------------------------------------------------ the loop's calls
@@ -214,47 +183,135 @@ class Replicas:
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place along the dp group; True if every replica's step
-        succeeded (apply it), False if one failed (the state is re-synced at the next
-        :meth:`boundary`: redo the step). The average is over :attr:`contributors`
-        (in an admission's first step, the joiners contribute nothing)."""
+        succeeded (apply it), False if it counts nowhere: a replica failed (the state is
+        re-synced at the next :meth:`boundary`: redo the step), or, in an admission's
+        first step, the others called :meth:`finish` (the joiner now holds their final
+        state). The average is over :attr:`contributors` (in an admission's first step,
+        the joiners contribute nothing).
+
+        An exception inside the step (the state transfer's included) fails the step on
+        every member: the replica where it was raised gets :class:`StepError` on each
+        of its ranks (and is closed: restart it), the others False.
+        """
         self._check_open()
+        tensors = check_tensors(tensors)
         if self._pending is not None:
             raise RuntimeError(
                 f"replica {self.replica}: call boundary() before all_reduce_ ({self._pending} due)"
             )
+        return self._step(tensors)
+
+    def finish(self) -> bool:
+        """End the job here, on every replica at once: True once every member agreed that
+        this is the last step (every replica then holds the same state; a replica that
+        starts later gets :class:`JobFinishedError` at once). False: a member failed, or
+        redid the last step while this one committed it: call :meth:`boundary` and let
+        the loop's condition decide again (the state may be one step back). The
+        module's docstring shows the loop.
+        """
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError(
+                f"replica {self.replica}: call boundary() before finish() ({self._pending} due)"
+            )
+        return self._finished or self._step(None)
+
+    def _step(self, tensors: list[torch.Tensor] | None) -> bool:
+        """One step (``tensors``) or the end of the job (None), with its verdict."""
         decision = self._current()
-        self._drain()
-        fresh = decision.fresh if self._steps == 0 else ()
+        self._probes.drain()
+        self._error = self._unmovable = None
+        catch_up = self._steps == 0 and bool(decision.fresh)
+        fresh = decision.fresh if catch_up else ()
         contributors = tuple(r for r in decision.replicas if r not in fresh)
-        if self._incoming is not None:
+        ok, mixed = True, False
+        if catch_up:  # the one step where a joiner's stale loop may step while others finish
+            votes = torch.tensor([int(tensors is None), int(tensors is not None)])
+            ok = self._dp(lambda pg: run(lambda: pg.allreduce([votes], max_options())))
+            mixed = bool(int(votes[0]) and int(votes[1]))
+        if tensors is not None and self._incoming is not None:
             for tensor in tensors:
                 tensor.zero_()  # this step's compute ran on the joiner's own state
-        ok = self._dp(lambda pg: self._average(pg, tensors, decision.size, len(contributors)))
-        ok = ok and self._dp(lambda pg: self._finish_catch_up(decision))
-        self._finish_drop()  # the last epoch's group, let go of while this step ran
-        joins = self._store.add(self.keys.joins, 0) if self.coordinate == 0 else 0
-        flags = torch.tensor([0 if ok else 1, joins], dtype=torch.int64)
-        if ok:
-            ok = self._dp(lambda pg: pg.allreduce([flags], _max()).wait())
-            flags[0] = max(int(flags[0]), 0 if ok else 1)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        if int(flags[0]):
-            self._pg = None  # close this rank's dp connections: peers fail at once
+        ok = ok and self._dp(lambda pg: self._catch_up(pg, decision))
+        if tensors is not None and not mixed:
+            n = len(contributors)
+            ok = ok and self._dp(lambda pg: average(pg, tensors, decision.size, n))
+        ok = self._guard(self._finish_drop) and ok  # the last epoch's group, let go of meanwhile
+        joins = 0
+        if tensors is not None and self.coordinate == 0 and ok:
+            joins = self._guarded(lambda: int(self._store.add(self.keys.joins, 0)), 0)
+            ok = ok and self._error is None
+        flags = self._flags(ok, joins)
+        if not self._agree(flags.values, ok):
             self._outgoing = self._incoming = None
             self._pending = "heal"
+            self._raise_if_error(flags, "a step")
             return False
+        self._raise_if_error(flags, "a step")
         self._steps += 1
         self._behind = frozenset()
+        self._outgoing = self._incoming = None
+        if mixed:
+            return False
+        if tensors is None:
+            self._finished = True
+            if decision.source == self.replica and self.coordinate == 0:
+                self._store.set(self.keys.finished, decision.text())
+            return True
         self.contributors = contributors
-        if int(flags[1]) > decision.joins:
+        if flags.joins > decision.joins:
             self._pending = "admit"
         if self._cleaned < decision.epoch and decision.source == self.replica:
             self._cleaned = decision.epoch
             if self.coordinate == 0:
-                self._clean(decision)
+                self._records.clean(decision)
         if self._pending == "admit":
             self._start_admission(decision)
         return True
+
+    def _agree(self, flags: torch.Tensor, ok: bool) -> bool:
+        """The verdict: ``flags`` MAXed along dp (if this rank's part went well) and then
+        along the replica's own group (on its device); True if no member failed."""
+        if ok:
+            ok = self._dp(lambda pg: run(lambda: pg.allreduce([flags], max_options())))
+            if not ok:
+                flags[0] = 1
+        world = flags.to(self._device)
+        dist.all_reduce(world, op=dist.ReduceOp.MAX, group=self._group)
+        flags.copy_(world.cpu())
+        return not int(flags[0])
+
+    def _flags(self, ok: bool, joins: int) -> Flags:
+        mine = self.coordinate
+        return Flags.of(
+            ok,
+            joins,
+            None if self._error is None else mine,
+            None if self._unmovable is None else mine,
+        )
+
+    def _raise_if_error(self, flags: Flags, where: str) -> None:
+        """After a verdict: if this replica's rank raised, close and raise on every rank of
+        it; if a source could not pack its state, on every member."""
+        unmovable, at = flags.unmovable_at, flags.error_at
+        if unmovable is None and at is None:
+            return
+        origin: BaseException | None = self._unmovable if unmovable is not None else self._error
+        self._error = self._unmovable = None
+        self.close()  # this slot's listener closes: the other replicas' heal sees it gone
+        raised = "" if origin is None else f": {type(origin).__name__}: {origin}"
+        if unmovable is not None:
+            raise StepError(
+                f"replica {self._current().source} coordinate {unmovable} (the source) could "
+                f"not pack its registered state in {where}{raised}; no replica can take the "
+                f"job's state from it, so every member stops: fix the state and restart "
+                f"from a checkpoint"
+            ) from origin
+        raise StepError(
+            f"replica {self.replica} coordinate {at} raised in {where}"
+            f"{raised or ' (its own StepError names the exception)'}; the step failed on "
+            f"every member, and this replica left the job (restart it to rejoin)"
+        ) from origin
 
     # ------------------------------------------------------------------ lifetime
 
@@ -267,7 +324,7 @@ class Replicas:
         self._outgoing = self._incoming = None
         self._admission = None  # its thread sees the close at its next wait, and drops its group
         self._finish_drop()
-        self._listener.close()
+        self._probes.close()
         with contextlib.suppress(Exception):
             self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
 
@@ -293,17 +350,20 @@ class Replicas:
     def _join(self) -> Decision:
         """Announce this incarnation, then wait for an epoch that admits it."""
         store, keys = self._store, self.keys
+        self._check_finished()
         before = read(store, keys.join(self.replica, self.coordinate))
         if before is not None and before != self.token:  # a dead predecessor's listener
             store.delete_key(keys.address(self.replica, self.coordinate, before))
         store.set(keys.join(self.replica, self.coordinate), self.token)
-        dist.barrier(group=self._group)  # every slot of this replica announced
+        # Every slot of this replica announced (a barrier, on the group's own device).
+        dist.all_reduce(torch.zeros(1, device=self._device), group=self._group)
         if self.coordinate == 0:
             store.add(keys.joins, 1)
         epoch, marked = int(read(store, keys.latest) or 0), -1
         deadline = time.monotonic() + self._timeout
         while True:
-            self._drain()
+            self._probes.drain()
+            self._check_finished()
             text = read(store, keys.decision(epoch))
             if text is None and epoch == 0 and read(store, keys.latest) is None:
                 text = self._bootstrap()
@@ -325,12 +385,12 @@ class Replicas:
         """The first epoch, once every replica announced; None until then."""
         if self._store.add(self.keys.joins, 0) < self.replicas:
             return None
-        joiners = self._joiners(Decision(-1, (), 0, 0))
+        joiners = self._records.joiners(Decision(-1, (), 0, 0))
         if len(joiners) < self.replicas:
             return None
         joins = self._store.add(self.keys.joins, 0)
         first = propose(0, {}, joiners, joins)
-        return self._decide(first)
+        return self._records.decide(first)
 
     def _start_admission(self, current: Decision) -> None:
         """Decide and form the next epoch on a helper thread while the loop finishes its
@@ -376,9 +436,9 @@ class Replicas:
     def _admit(self, current: Decision) -> Decision:
         """The next epoch: every member and every complete joiner (no waiting)."""
         joins = self._store.add(self.keys.joins, 0)
-        joiners = self._joiners(current)
+        joiners = self._records.joiners(current)
         nxt = propose(current.epoch + 1, dict(current.members), joiners, joins, catch_up=True)
-        return Decision.parse(current.epoch + 1, self._decide(nxt))
+        return Decision.parse(current.epoch + 1, self._records.decide(nxt))
 
     def _heal(self, current: Decision) -> Decision:
         """After a failed step: check in, wait until every slot of ``current`` checked in
@@ -389,14 +449,14 @@ class Replicas:
         waiting = [(r, c) for r in current.replicas for c in range(self.local)]
         deadline = time.monotonic() + self._timeout
         while True:
-            self._drain()
+            self._probes.drain()
             text = read(store, keys.decision(nxt))
             if text is not None:
                 return Decision.parse(nxt, text)
             waiting = [
                 s for s in waiting if read(store, keys.checked_in(current.epoch, *s)) is None
             ]
-            dead = {r for r, c in waiting if self._dead(current, r, c)}
+            dead = {r for r, c in waiting if self._probes.dead(r, c, current.token(r))}
             undecided = sorted({r for r, _ in waiting} - dead)
             if not undecided:
                 joins = store.add(keys.joins, 0)
@@ -407,9 +467,9 @@ class Replicas:
                         f"while replicas {sorted(alive)} caught up from them in epoch "
                         f"{current.epoch}; restart the job from a checkpoint"
                     )
-                joiners = self._joiners(current)
+                joiners = self._records.joiners(current)
                 proposal = propose(nxt, alive, joiners, joins, behind=self._behind)
-                return Decision.parse(nxt, self._decide(proposal))
+                return Decision.parse(nxt, self._records.decide(proposal))
             self._wait_or_fail(
                 deadline,
                 f"replicas {undecided} of epoch {current.epoch} to check in after a failed "
@@ -428,13 +488,18 @@ class Replicas:
                     f"found dead; restart the replica to rejoin"
                 )
             self.decision, self._steps = decision, 0
+            self._error = self._unmovable = None
             self._behind |= set(decision.fresh)
-            ok = self._form(decision) if formed is None else formed
-            ok = ok and self._dp(functools.partial(self._sync, decision=decision))
+            if formed is None:
+                formed = self._guarded(functools.partial(self._formed, decision), 0) == 1
+            ok = formed and self._dp(functools.partial(self._sync, decision=decision))
             formed = None
-            flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            if not int(flag[0]):
+            flags = self._flags(ok, 0)
+            world = flags.values.to(self._device)
+            dist.all_reduce(world, op=dist.ReduceOp.MAX, group=self._group)
+            flags.values.copy_(world.cpu())
+            self._raise_if_error(flags, f"entering epoch {decision.epoch}")
+            if not flags.failed:
                 self._pending = None
                 self.entered.append((decision.epoch, time.time(), decision.replicas))
                 if decision.source == self.replica and self.coordinate == 0:
@@ -442,6 +507,9 @@ class Replicas:
                 return
             self._outgoing = self._incoming = None
             decision = self._heal(decision)
+
+    def _formed(self, decision: Decision) -> int:
+        return int(self._form(decision))
 
     def _form(self, decision: Decision) -> bool:
         """Wait until this coordinate's slots of ``decision`` are ready (False if one is
@@ -451,11 +519,11 @@ class Replicas:
         deadline = time.monotonic() + self._timeout
         waiting = [r for r in decision.replicas if r != self.replica]
         while waiting:
-            self._drain()
+            self._probes.drain()
             waiting = [
                 r for r in waiting if read(store, keys.ready(epoch, r, self.coordinate)) is None
             ]
-            if any(self._dead(decision, r, self.coordinate) for r in waiting):
+            if any(self._probes.dead(r, self.coordinate, decision.token(r)) for r in waiting):
                 return False
             if waiting:
                 self._wait_or_fail(
@@ -478,7 +546,8 @@ class Replicas:
 
     def _sync(self, pg: Any, decision: Decision) -> None:
         """The source replica's state along this coordinate: a broadcast to every member,
-        or, at an admission, sends to the fresh joiners alone that complete meanwhile."""
+        or, at an admission, a catch-up of the fresh joiners alone in the epoch's first
+        step (:meth:`_catch_up`)."""
         if decision.size == 1:
             return
         source = decision.index(decision.source)
@@ -487,23 +556,23 @@ class Replicas:
             role, nbytes = broadcast_state(pg, self._state, source, decision.index(self.replica))
             seconds = time.perf_counter() - start
             self.transfers.append(Transfer(decision.epoch, role, nbytes, seconds))
-        elif decision.source == self.replica:  # the state the survivors start the step from
-            self._outgoing = Outgoing(self._state)
-            self._outgoing.post(pg, [decision.index(r) for r in decision.fresh])
+        elif decision.source == self.replica:
+            self._outgoing = [decision.index(r) for r in decision.fresh]
         elif self.replica in decision.fresh:
-            self._incoming = Incoming()
-            self._incoming.start(pg, source)
+            self._incoming = source
 
-    def _finish_catch_up(self, decision: Decision) -> None:
-        """The end of a catch-up, in the epoch's first step: the source's sends have left,
-        or the joiner has loaded them."""
+    def _catch_up(self, pg: Any, decision: Decision) -> None:
+        """The catch-up, in the epoch's first step, before its all-reduce: the source
+        sends the state it holds now (what the loop changed since the boundary, RNG
+        and counters, included), the joiners take it into their own tensors."""
         if self._outgoing is not None:
-            nbytes, seconds = self._outgoing.data.numel(), self._outgoing.finish()
+            joiners, self._outgoing = self._outgoing, None
+            nbytes, seconds = timed(lambda: send_state(pg, self._state, joiners))
             self.transfers.append(Transfer(decision.epoch, "sent", nbytes, seconds))
         if self._incoming is not None:
-            nbytes, seconds = len(self._incoming.received), self._incoming.finish(self._state)
+            source, self._incoming = self._incoming, None
+            nbytes, seconds = timed(lambda: receive_state(pg, self._state, source))
             self.transfers.append(Transfer(decision.epoch, "received", nbytes, seconds))
-        self._outgoing = self._incoming = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -539,125 +608,52 @@ class Replicas:
                 )
 
     def _dp(self, work: Callable[[Any], object]) -> bool:
-        """Run ``work`` on the dp group; False (and the group dropped) if it failed."""
+        """Run ``work`` on the dp group; False (and the group dropped: peers blocked on
+        this rank fail at once) if a collective failed or anything else was raised (kept
+        in ``_error``: the verdict turns it into this replica's :class:`StepError`)."""
         if self._pg is None:
             return self.decision is not None and self.decision.size == 1
         try:
             work(self._pg)
-        except RuntimeError as error:
-            self.failure = f"epoch {self._current().epoch}: {str(error).splitlines()[0][:300]}"
-            self._pg = None  # gloo's connections close now: peers blocked on us fail at once
+        except UnmovableState as error:  # nothing else was sent: the group stays intact
+            self._unmovable = self._unmovable or error
+            return True
+        except CollectiveFailed as error:
+            self.failure = f"epoch {self._current().epoch}: {error}"
+            self._pg = None
+            return False
+        except Exception as error:
+            self._fail_with(error)
             return False
         return True
 
-    @staticmethod
-    def _average(pg: Any, tensors: Sequence[torch.Tensor], size: int, contributors: int) -> None:
-        """The sum over the group's ``size`` members divided by its ``contributors``: one
-        all-reduce per dtype, one at a time (a failed one leaves no queued work behind:
-        gloo's group waits for its queue before it closes its connections)."""
-        if size == 1:
-            return
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            group = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.reshape(-1) for t in group])
-            pg.allreduce([flat]).wait()
-            flat.div_(contributors)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    def _guard(self, work: Callable[[], object]) -> bool:
+        """Run ``work`` (no collective); False, as :meth:`_dp`'s errors, if it raised."""
+        try:
+            work()
+        except Exception as error:
+            self._fail_with(error)
+            return False
+        return True
+
+    def _guarded(self, work: Callable[[], int], default: int) -> int:
+        result = [default]
+        self._guard(lambda: result.__setitem__(0, work()))
+        return result[0]
+
+    def _fail_with(self, error: Exception) -> None:
+        self.failure = f"epoch {self._current().epoch}: {type(error).__name__}: {error}"[:400]
+        self._error = self._error or error
+        self._pg = None
 
     def _agree_token(self) -> str:
         """One random token for this incarnation of the replica, the same on its ranks."""
-        value = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64)
+        value = torch.tensor(
+            [int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=self._device
+        )
         src = 0 if self._group is None else dist.get_global_rank(self._group, 0)
         dist.broadcast(value, src=src, group=self._group)
         return f"{int(value[0]):x}"
-
-    def _joiners(self, current: Decision) -> dict[int, str]:
-        """Replicas whose every slot announced one token that ``current`` does not hold,
-        and whose slots are not dead (a dead incarnation's announcement stays)."""
-        keys = [self.keys.join(r, c) for r in range(self.replicas) for c in range(self.local)]
-        values = [read(self._store, k) for k in keys]
-        announced = [
-            (r, c, values[r * self.local + c])
-            for r in range(self.replicas)
-            for c in range(self.local)
-        ]
-        found = complete_joiners(announced, self.local)
-        return {
-            r: t
-            for r, t in found.items()
-            if current.token(r) != t and not any(self._gone(r, c, t) for c in range(self.local))
-        }
-
-    def _decide(self, proposal: Decision) -> str:
-        """Write ``proposal`` unless an epoch's decision exists; return the one that stands."""
-        value = self._store.compare_set(self.keys.decision(proposal.epoch), "", proposal.text())
-        return value.decode() if isinstance(value, bytes) else str(value)
-
-    def _dead(self, decision: Decision, replica: int, coordinate: int) -> bool:
-        """Whether slot (``replica``, ``coordinate``) of ``decision`` is known dead (probed
-        at most every :data:`PROBE_EVERY` seconds)."""
-        token = decision.token(replica)
-        if token is None or (replica, coordinate, token) in self._dead_slots:
-            return True
-        now = time.monotonic()
-        if now - self._probed.get((replica, coordinate), 0.0) < PROBE_EVERY:
-            return False
-        self._probed[(replica, coordinate)] = now
-        return self._gone(replica, coordinate, token)
-
-    def _gone(self, replica: int, coordinate: int, token: str) -> bool:
-        """Probe incarnation ``token`` of a slot: True once its port refused (kept), or its
-        address is gone (published before it announced; deleted by its successor or the
-        clean-up, once it is no member)."""
-        key = (replica, coordinate, token)
-        if key in self._dead_slots:
-            return True
-        if self._addresses.get(key) is None:
-            self._addresses[key] = read(self._store, self.keys.address(*key))
-        address = self._addresses[key]
-        if address is None or probe(address) is True:
-            self._dead_slots.add(key)
-            return True
-        return False
-
-    def _clean(self, decision: Decision) -> None:
-        """Once per epoch, after its first agreed step: delete older epochs' keys."""
-        store, keys = self._store, self.keys
-        cleaned = int(read(store, keys.cleaned) or 0)
-        if cleaned > decision.epoch:
-            return
-        current = set(decision.members)
-        for epoch in range(cleaned, decision.epoch):
-            text = read(store, keys.decision(epoch))
-            old = Decision.parse(epoch, text).members if text is not None else ()
-            for r, t in old:
-                if (r, t) not in current:
-                    for c in range(self.local):
-                        store.delete_key(keys.address(r, c, t))
-            for key in keys.epoch_keys(epoch, self.replicas, self.local):
-                store.delete_key(key)
-        formed = [keys.ready(decision.epoch, r, c) for r, c in self._slots()]
-        formed += [
-            keys.gloo_address(decision.epoch, c, m)
-            for c in range(self.local)
-            for m in range(decision.size)
-        ]
-        for key in formed:  # every member formed; its check-ins may still come
-            store.delete_key(key)
-        store.set(keys.cleaned, str(decision.epoch))  # its decision and check-ins stay
-
-    def _slots(self) -> list[tuple[int, int]]:
-        return [(r, c) for r in range(self.replicas) for c in range(self.local)]
-
-    def _drain(self) -> None:
-        """Accept and close the probes queued on this slot's listener (never blocks)."""
-        with contextlib.suppress(BlockingIOError, OSError):
-            while True:
-                conn, _ = self._listener.accept()
-                conn.close()
 
     def _wait_or_fail(self, deadline: float, what: str) -> None:
         if self._closed:
@@ -669,6 +665,16 @@ class Replicas:
             )
         time.sleep(self._poll)
 
+    def _check_finished(self) -> None:
+        """A :class:`JobFinishedError` if the job ended (:meth:`finish`) before this
+        incarnation was admitted."""
+        text = read(self._store, self.keys.finished)
+        if text is not None:
+            raise JobFinishedError(
+                f"replica {self.replica}: the job finished (its last epoch: {text}) before "
+                f"this incarnation (token {self.token}) was admitted; nothing to rejoin: exit"
+            )
+
     def _current(self) -> Decision:
         if self.decision is None:
             raise RuntimeError(f"replica {self.replica} has not joined yet: call boundary() first")
@@ -677,9 +683,3 @@ class Replicas:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"replica {self.replica}'s Replicas is closed")
-
-
-def _max() -> Any:
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stub: RedOpType
-    return options

@@ -1,35 +1,63 @@
-"""A replica's registered state, moved to other replicas on an epoch's dp group.
+"""A replica's registered state, moved to other replicas on an epoch's dp group,
+tensor by tensor, into the receivers' own tensors.
+
+The source sends a **header** (its ``state_dict()``s with each tensor replaced
+by a reference, and each tensor's dtype and shape: a small ``torch.save`` blob),
+then each tensor's bytes straight from its live storage (a CPU tensor is not
+copied; another is staged through one CPU copy at a time). A receiver takes
+each tensor into its own tensor at the same place of its own ``state_dict()``
+(same dtype and shape), or into a new one on its own device, then calls
+``load_state_dict``. The extra memory on either side is about the largest
+tensor, never the whole state.
 
 Two ways: :func:`broadcast_state` (every member takes the source's state: the
-first epoch and every heal) and a **catch-up** (an admission: the source sends
-a snapshot to the joiners alone, in the background, while the epoch's first
-step runs; the survivors already hold that state). The snapshot is taken
-before the step changes anything, so the joiner loads the state the
-survivors started the step from.
+first epoch and every heal, at a boundary) and a **catch-up** (an admission:
+inside the epoch's first step the source sends to the fresh joiners alone,
+:func:`send_state` / :func:`receive_state`, before the step's all-reduce: the
+joiner holds the state the source holds at that moment, RNG and counters the
+loop moved since the boundary included).
 
->>> model = torch.nn.Linear(2, 1)
->>> data = serialize({"model": model})
->>> other = torch.nn.Linear(2, 1)
->>> load({"model": other}, bytearray(bytes(data.tolist())))
+>>> model, other = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+>>> header, tensors = pack({"model": model})
+>>> [tuple(t.shape) for t in tensors]
+[(1, 2), (1,)]
+>>> mine = own_tensors({"model": other})
+>>> plan = unpack_header(bytes(header.tolist()), {"model": other})
+>>> for index, (path, dtype, shape) in enumerate(plan.slots):
+...     _ = mine[path].copy_(tensors[index])  # what the wire does, byte for byte
+>>> plan.load({"model": other}, [mine[p] for p, _, _ in plan.slots])
 >>> torch.equal(model.weight, other.weight)
 True
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Incoming", "Outgoing", "Stateful", "Transfer", "broadcast_state", "load", "serialize"]
+__all__ = [
+    "CollectiveFailed",
+    "Stateful",
+    "Transfer",
+    "broadcast_state",
+    "own_tensors",
+    "pack",
+    "receive_state",
+    "send_state",
+    "unpack_header",
+]
 
-LENGTH_TAG, DATA_TAG = 1, 2  # gloo's send/recv tags (collectives use tags of their own)
+LENGTH_TAG, HEADER_TAG, FIRST_TENSOR_TAG = 1, 2, 3  # gloo's send/recv tags
+MAX_HEADER = 1 << 31  # bytes: a header length beyond this is corrupt, not state
 
 
 class Stateful(Protocol):
@@ -40,11 +68,24 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective or point-to-point operation of the dp group failed (a peer died or
+    dropped the group). Anything else a transfer raises is an error of the state."""
+
+
+class UnmovableState(Exception):
+    """The source could not pack its registered state (raised there, chained to why),
+    or, on a receiver, the source said so (a header length of -1): no replica can
+    take the job's state from it, and the group is intact (nothing else was sent)."""
+
+
+UNMOVABLE = -1  # the header length a source sends when it cannot pack its state
+
+
 @dataclass(frozen=True)
 class Transfer:
     """One state transfer: ``epoch``, ``role`` (``sent`` or ``received``), ``nbytes``,
-    ``seconds`` (a broadcast: its time; a catch-up: from the snapshot until the
-    bytes left (``sent``), or from the group's formation until they were loaded)."""
+    ``seconds`` (from its start until the last byte left or was loaded)."""
 
     epoch: int
     role: str
@@ -52,38 +93,340 @@ class Transfer:
     seconds: float
 
 
-def serialize(state: Mapping[str, Stateful]) -> torch.Tensor:
-    """``state``'s ``state_dict()``s as one ``torch.save`` blob (a uint8 tensor).
+def run(call: Callable[[], Any]) -> None:
+    """Issue one operation of the dp group and wait for it; :class:`CollectiveFailed` if
+    either fails."""
+    try:
+        call().wait()
+    except Exception as error:
+        raise CollectiveFailed(_first_line(error)) from error
 
-    A DTensor (FSDP2's parameters and optimizer state) travels as its local
-    shard, its placements and its mesh's shape and dimension names: its mesh
-    is this process's, and is rebuilt from the receiver's own (:func:`load`).
+
+def post(call: Callable[[], Any]) -> Any:
+    """Issue one operation of the dp group without waiting (:class:`CollectiveFailed`)."""
+    try:
+        return call()
+    except Exception as error:
+        raise CollectiveFailed(_first_line(error)) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def wait_all(works: list[Any]) -> None:
+    """Wait for every posted operation (:class:`CollectiveFailed` at the first that failed)."""
+    for work in works:
+        wait(work)
+    works.clear()
+
+
+def wait(work: Any) -> None:
+    """Wait for one posted operation (:class:`CollectiveFailed` if it failed)."""
+    try:
+        work.wait()
+    except Exception as error:
+        raise CollectiveFailed(_first_line(error)) from error
+
+
+# ------------------------------------------------------------------ the header
+
+_REF = "__scopedmesh_tensor__"
+_DTENSOR = "__scopedmesh_dtensor_shard__"
+Path = tuple[Any, ...]
+
+
+def pack(state: Mapping[str, Stateful]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``state``'s ``state_dict()``s as a header (uint8 bytes) and their tensors, in order.
+
+    The tensors are the live ones (detached, not copied). A DTensor (FSDP2)
+    travels as its local shard, with its placements and its mesh's shape and
+    dimension names; the receiver rebuilds it on its own mesh of that kind.
     """
+    tensors: list[torch.Tensor] = []
+
+    def take(value: Any) -> Any:
+        wire = _to_wire(value)
+        if wire is not None:
+            return _mapped(wire, take)
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.is_quantized:
+                raise TypeError(f"a registered tensor must be dense, got {value.layout}")
+            tensors.append(value.detach())
+            return {_REF: len(tensors) - 1}
+        return None
+
+    tree = {name: _mapped(obj.state_dict(), take) for name, obj in state.items()}
+    meta = [(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.device.type) for t in tensors]
     buffer = io.BytesIO()
-    torch.save({name: _mapped(obj.state_dict(), _to_wire) for name, obj in state.items()}, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    torch.save({"tree": tree, "meta": meta}, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8), tensors
 
 
-def load(state: Mapping[str, Stateful], data: bytearray) -> None:
-    """Load a :func:`serialize` blob into ``state`` (``weights_only``: tensors and plain data).
+def own_tensors(state: Mapping[str, Stateful]) -> dict[Path, torch.Tensor]:
+    """This process's tensors in ``state``'s ``state_dict()``s, by their place (a DTensor's
+    local shard at its wire record's place)."""
+    found: dict[Path, torch.Tensor] = {}
+    for name, obj in state.items():
+        tree = _mapped(obj.state_dict(), _to_wire)
+        for path, leaf in _leaves(tree, (name,)):
+            if isinstance(leaf, torch.Tensor):
+                found[path] = leaf.detach()
+    return found
 
-    A DTensor is rebuilt on the mesh of the same shape and dimension names
-    among the DTensors of ``state``'s own ``state_dict()``s (a ``ValueError``
-    if there is none).
-    """
+
+@dataclass(frozen=True)
+class Plan:
+    """A received header: the tree to load and, per tensor, its place, dtype and shape
+    (``slots``) and the type of the source's device (``devices``)."""
+
+    tree: dict[str, Any]
+    slots: list[tuple[Path, torch.dtype, tuple[int, ...]]]
+    sharded: bool
+    devices: list[str]
+
+    def load(self, state: Mapping[str, Stateful], values: Sequence[torch.Tensor]) -> None:
+        """Put ``values`` (the tensors, in order) in the tree and load it into ``state``."""
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, dict) and len(value) == 1 and _REF in value:
+                return values[value[_REF]]
+            return None
+
+        meshes = _meshes(state) if self.sharded else {}
+        for name, obj in state.items():
+            value = _mapped(self.tree[name], fill)
+            if self.sharded:
+                value = _mapped(value, lambda v: _from_wire(v, meshes))
+            obj.load_state_dict(value)
+
+
+def unpack_header(header: bytes | bytearray, state: Mapping[str, Stateful]) -> Plan:
+    """The :class:`Plan` of a :func:`pack` header (``weights_only``, onto the CPU); a
+    ``ValueError`` if it does not name exactly ``state``'s names."""
+    data = header
     sharded = _DTENSOR.encode() in data
     if sharded:  # its import allowlists placements for weights_only
         importlib.import_module("torch.distributed.tensor")
-    loaded = torch.load(io.BytesIO(data), weights_only=True)
-    meshes = _meshes(state) if sharded else {}
-    for name, obj in state.items():
-        value = loaded[name]
-        if sharded:
-            value = _mapped(value, lambda v: _from_wire(v, meshes))
-        obj.load_state_dict(value)
+    loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    if not (isinstance(loaded, dict) and {"tree", "meta"} <= set(loaded)):
+        raise ValueError("the source's header is not a scopedmesh state header")
+    tree, meta = loaded["tree"], loaded["meta"]
+    if set(tree) != set(state):
+        raise ValueError(
+            f"the source's registered state has the names {sorted(tree)}, this replica's "
+            f"{sorted(state)}: every replica must register the same names"
+        )
+    places = dict((index, path) for path, index in _refs(tree, ()))
+    slots, devices = [], []
+    for index, (dtype_name, shape, device_type) in enumerate(meta):
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype) or index not in places:
+            raise ValueError(f"the source's header is corrupt at tensor {index} ({dtype_name})")
+        slots.append((places[index], dtype, tuple(int(s) for s in shape)))
+        devices.append(str(device_type))
+    return Plan(tree, slots, sharded, devices)
 
 
-_DTENSOR = "__scopedmesh_dtensor_shard__"
+def _wire(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s bytes as a uint8 view, or None when it needs a CPU copy first."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_sparse:
+        return None
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Staging:
+    """One CPU buffer of ``size`` bytes (the largest tensor that is not a contiguous CPU
+    one), reused for each such tensor in turn: a tensor's bytes go in (:meth:`put`) or
+    come out (:meth:`room`, then :meth:`settle`)."""
+
+    def __init__(self, size: int) -> None:
+        self._buffer = torch.empty(size, dtype=torch.uint8)
+
+    def room(self, nbytes: int) -> torch.Tensor:
+        return self._buffer[:nbytes]
+
+    def put(self, tensor: torch.Tensor) -> torch.Tensor:
+        view = self.room(_nbytes(tensor))
+        view.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return view
+
+    def settle(self, target: torch.Tensor) -> None:
+        target.copy_(self.room(_nbytes(target)).view(target.dtype).view(target.shape))
+
+
+def _stage_for(tensors: Iterable[torch.Tensor]) -> _Staging:
+    return _Staging(max((_nbytes(t) for t in tensors if _wire(t) is None), default=0))
+
+
+class _Receiver:
+    """Where each incoming tensor lands: into this process's own tensor at its place (same
+    dtype and shape), else into a new one: on its counterpart's device if it has one,
+    else on this process's device of the source's kind (a CPU tensor stays on the CPU,
+    as Adam's ``step`` must; a CUDA one goes to this process's CUDA device)."""
+
+    def __init__(self, state: Mapping[str, Stateful], plan: Plan) -> None:
+        self.own = own_tensors(state)
+        self.plan = plan
+        self.values: list[torch.Tensor] = []
+
+    def target(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor that will hold tensor ``index``, and its uint8 view to receive into
+        (None: receive through the staging buffer)."""
+        path, dtype, shape = self.plan.slots[index]
+        own = self.own.get(path)
+        if own is not None and own.dtype == dtype and tuple(own.shape) == shape:
+            self.values.append(own)
+            return own, _wire(own)
+        kind = self.plan.devices[index]
+        device = own.device if own is not None else _device_for(kind, self.own.values())
+        fresh = torch.empty(shape, dtype=dtype, device=device)
+        self.values.append(fresh)
+        return fresh, _wire(fresh)
+
+
+def _device_for(kind: str, own: Iterable[torch.Tensor]) -> torch.device:
+    """This process's device of type ``kind``: the one its own state uses, else the
+    current CUDA device, else the CPU.
+
+    >>> _device_for("cpu", [torch.zeros(1, device="meta")])
+    device(type='cpu')
+    >>> _device_for("meta", [torch.zeros(1, device="meta")])
+    device(type='meta')
+    """
+    if kind == "cpu":
+        return torch.device("cpu")
+    for tensor in own:
+        if tensor.device.type == kind:
+            return torch.device(tensor.device)
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ the two ways
+
+
+def broadcast_state(
+    pg: Any, state: Mapping[str, Stateful], root: int, rank: int
+) -> tuple[str, int]:
+    """Every member of ``pg`` takes member ``root``'s state: the header's length, the
+    header, then each tensor. Returns this member's role and the bytes moved."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+
+    def cast(tensor: torch.Tensor) -> Any:
+        return post(lambda: pg.broadcast([tensor], options))
+
+    if rank == root:
+        header, tensors = _packed(state, lambda length: run(lambda: cast(length)))
+        run(lambda: cast(torch.tensor([header.numel()], dtype=torch.int64)))
+        run(lambda: cast(header))
+        nbytes, works, staging = header.numel(), [], _stage_for(tensors)
+        for tensor in tensors:
+            view = _wire(tensor)
+            if view is None:
+                wait(cast(staging.put(tensor)))  # one staged tensor at a time
+            else:
+                works.append(cast(view))
+            nbytes += _nbytes(tensor)
+        wait_all(works)
+        return "sent", nbytes
+    length = torch.zeros(1, dtype=torch.int64)
+    run(lambda: cast(length))
+    received = bytearray(_checked_length(length))
+    run(lambda: cast(torch.frombuffer(received, dtype=torch.uint8)))
+    plan = unpack_header(received, state)
+    return "received", _take(plan, state, lambda view, index: cast(view)) + len(received)
+
+
+def send_state(pg: Any, state: Mapping[str, Stateful], joiners: Sequence[int]) -> int:
+    """Send this member's state to each of ``joiners`` (ranks of ``pg``); return the bytes
+    sent to each. Waits until every joiner received everything."""
+
+    def refuse(length: torch.Tensor) -> None:
+        for joiner in joiners:
+            run(functools.partial(pg.send, [length], joiner, LENGTH_TAG))
+
+    header, tensors = _packed(state, refuse)
+    length = torch.tensor([header.numel()], dtype=torch.int64)
+    works: list[Any] = []
+    staging = _stage_for(tensors)
+    for joiner in joiners:
+        works.append(post(functools.partial(pg.send, [length], joiner, LENGTH_TAG)))
+        works.append(post(functools.partial(pg.send, [header], joiner, HEADER_TAG)))
+        for index, tensor in enumerate(tensors):
+            view, tag = _wire(tensor), FIRST_TENSOR_TAG + index
+            if view is None:  # one staged tensor at a time
+                run(functools.partial(pg.send, [staging.put(tensor)], joiner, tag))
+            else:
+                works.append(post(functools.partial(pg.send, [view], joiner, tag)))
+    wait_all(works)
+    return header.numel() + sum(_nbytes(t) for t in tensors)
+
+
+def receive_state(pg: Any, state: Mapping[str, Stateful], source: int) -> int:
+    """Receive ``source``'s state (a rank of ``pg``) into ``state``'s own tensors, then
+    load it; return the bytes received."""
+    length = torch.zeros(1, dtype=torch.int64)
+    run(lambda: pg.recv([length], source, LENGTH_TAG))
+    header = bytearray(_checked_length(length))
+    run(lambda: pg.recv([torch.frombuffer(header, dtype=torch.uint8)], source, HEADER_TAG))
+    plan = unpack_header(header, state)
+
+    def recv(view: torch.Tensor, index: int) -> Any:
+        return post(lambda: pg.recv([view], source, FIRST_TENSOR_TAG + index))
+
+    return _take(plan, state, recv) + len(header)
+
+
+def _take(
+    plan: Plan, state: Mapping[str, Stateful], transport: Callable[[torch.Tensor, int], Any]
+) -> int:
+    """Receive each tensor of ``plan`` with ``transport(view, index)`` (a posted
+    operation), then load; return the tensors' bytes."""
+    receiver, works = _Receiver(state, plan), []
+    targets = [receiver.target(index) for index in range(len(plan.slots))]
+    staging = _Staging(max((_nbytes(t) for t, view in targets if view is None), default=0))
+    for index, (target, view) in enumerate(targets):
+        if view is None:  # one staged tensor at a time
+            wait(transport(staging.room(_nbytes(target)), index))
+            staging.settle(target)
+        else:
+            works.append(transport(view, index))
+    nbytes = sum(_nbytes(t) for t, _ in targets)
+    wait_all(works)
+    plan.load(state, receiver.values)
+    return nbytes
+
+
+def _packed(
+    state: Mapping[str, Stateful], refuse: Callable[[torch.Tensor], None]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`pack`; if it raises, ``refuse`` tells the receivers (a length of -1) and
+    :class:`UnmovableState` says why."""
+    try:
+        return pack(state)
+    except Exception as error:
+        refuse(torch.tensor([UNMOVABLE], dtype=torch.int64))
+        raise UnmovableState(f"{type(error).__name__}: {error}") from error
+
+
+def _checked_length(length: torch.Tensor) -> int:
+    value = int(length[0])
+    if value == UNMOVABLE:
+        raise UnmovableState("the source could not pack its registered state (its error says why)")
+    if not 0 < value <= MAX_HEADER:
+        raise ValueError(f"the source's header length is {value} bytes: corrupt")
+    return value
+
+
+# ------------------------------------------------------------------ the tree walk
 
 
 def _is_dtensor(value: object) -> bool:
@@ -97,18 +440,47 @@ def _mesh_key(mesh: Any) -> tuple[Any, ...]:
 
 def _mapped(value: Any, convert: Callable[[Any], Any]) -> Any:
     """``value`` with each part that ``convert`` answers (not None) replaced by its answer,
-    through dicts, lists and tuples; a container is copied only where a part changed."""
+    through dicts (an ``OrderedDict`` keeps its type and torch's ``_metadata``), lists
+    and tuples; a container is copied only where a part changed."""
     replaced = convert(value)
     if replaced is not None:
         return replaced
-    if isinstance(value, dict):
+    if type(value) in (dict, OrderedDict):
         items = {k: _mapped(v, convert) for k, v in value.items()}
-        return items if any(items[k] is not value[k] for k in value) else value
-    if isinstance(value, list | tuple):
+        if all(items[k] is value[k] for k in value):
+            return value
+        copy = type(value)(items)
+        if hasattr(value, "_metadata"):
+            copy._metadata = value._metadata  # torch's module versions
+        return copy
+    if type(value) in (list, tuple):
         converted = [_mapped(v, convert) for v in value]
         same = all(a is b for a, b in zip(converted, value))
         return value if same else type(value)(converted)
     return value
+
+
+def _leaves(value: Any, path: Path) -> Iterator[tuple[Path, Any]]:
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            yield from _leaves(item, (*path, i))
+    else:
+        yield path, value
+
+
+def _refs(value: Any, path: Path) -> Iterator[tuple[Path, int]]:
+    """The places of a header tree's tensor references, with their indices."""
+    if isinstance(value, dict) and len(value) == 1 and _REF in value:
+        yield path, int(value[_REF])
+    elif type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            yield from _refs(item, (*path, key))
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            yield from _refs(item, (*path, i))
 
 
 def _to_wire(value: Any) -> Any:
@@ -163,78 +535,12 @@ def _from_wire(value: Any, meshes: dict[tuple[Any, ...], Any]) -> Any:
     )
 
 
-def broadcast_state(
-    pg: Any, state: Mapping[str, Stateful], root: int, rank: int
-) -> tuple[str, int]:
-    """Every member of ``pg`` takes member ``root``'s state: its length, then its bytes.
+def timed(work: Callable[[], int]) -> tuple[int, float]:
+    """``work()``'s bytes and the seconds it took.
 
-    Returns this member's role (``sent`` or ``received``) and the bytes moved.
+    >>> timed(lambda: 3)[0]
+    3
     """
-    options = dist.BroadcastOptions()
-    options.rootRank = root
-    sending = rank == root
-    data = serialize(state) if sending else torch.empty(0, dtype=torch.uint8)
-    length = torch.tensor([data.numel()], dtype=torch.int64)
-    pg.broadcast([length], options).wait()
-    received = bytearray(int(length[0]) if not sending else 0)
-    if not sending:
-        data = torch.frombuffer(received, dtype=torch.uint8)
-    pg.broadcast([data], options).wait()
-    if not sending:
-        load(state, received)
-    return ("sent" if sending else "received"), data.numel()
-
-
-class Outgoing:
-    """The source's side of a catch-up: a snapshot, sent to each joiner without waiting.
-
-    :meth:`post` starts gloo's sends (they complete when each joiner receives);
-    :meth:`finish` waits for them, by the end of the epoch's first step.
-    """
-
-    def __init__(self, state: Mapping[str, Stateful]) -> None:
-        self.started = time.perf_counter()
-        self.data = serialize(state)  # before the step: the state the survivors start from
-        self._length = torch.tensor([self.data.numel()], dtype=torch.int64)
-        self._works: list[Any] = []
-
-    def post(self, pg: Any, joiners: Sequence[int]) -> None:
-        """Send the snapshot to each of ``joiners`` (ranks of ``pg``)."""
-        for joiner in joiners:
-            self._works.append(pg.send([self._length], joiner, LENGTH_TAG))
-            self._works.append(pg.send([self.data], joiner, DATA_TAG))
-
-    def finish(self) -> float:
-        """Wait until every joiner received the snapshot; seconds since it was taken."""
-        for work in self._works:
-            work.wait()
-        self._works = []
-        return time.perf_counter() - self.started
-
-
-class Incoming:
-    """A joiner's side of a catch-up: the source's snapshot, received while it steps.
-
-    :meth:`start` receives the length (the source sends it once the group
-    forms) and posts the receive of the bytes; :meth:`finish` waits for them
-    and loads them.
-    """
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.received = bytearray()
-        self._work: Any = None
-
-    def start(self, pg: Any, source: int) -> None:
-        """Receive the snapshot's length from ``source`` (a rank of ``pg``), then post its bytes."""
-        length = torch.zeros(1, dtype=torch.int64)
-        pg.recv([length], source, LENGTH_TAG).wait()
-        self.received = bytearray(int(length[0]))
-        data = torch.frombuffer(self.received, dtype=torch.uint8)
-        self._work = pg.recv([data], source, DATA_TAG)
-
-    def finish(self, state: Mapping[str, Stateful]) -> float:
-        """Wait for the bytes and load them into ``state``; seconds since the catch-up began."""
-        self._work.wait()
-        load(state, self.received)
-        return time.perf_counter() - self.started
+    start = time.perf_counter()
+    nbytes = work()
+    return nbytes, time.perf_counter() - start
