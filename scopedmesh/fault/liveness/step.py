@@ -165,7 +165,19 @@ class Step:
             return None
         vote = torch.tensor([flag], dtype=torch.int64)
         try:
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
+            work = dist.all_reduce(
+                vote, op=dist.ReduceOp.MAX, group=self._vote_group, async_op=True
+            )
+            # Left as soon as the mesh is aborted: a vote blocked on a dead peer would end
+            # only as the failure spreads from group to group, one watch interval a hop.
+            pause = 0.00005
+            while work is not None and not work.is_completed():
+                if self.mesh.aborted:
+                    return None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
+            if work is not None:
+                work.wait()
         except RuntimeError:  # cut short by an abort, a peer's death or a peer's stop
             return None
         return int(vote.item())
