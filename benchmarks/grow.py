@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scopedmesh import Decision, job_view
 from scopedmesh.c10d.store import ReplicaKeys, read
-from scopedmesh.fault.membership import Decision
 from scopedmesh.fault.replicas import Replicas
 from scopedmesh.testing.replicas import ReplicaJob
 
@@ -92,9 +92,8 @@ def rank_main(
 
 
 def _decision(job: ReplicaJob) -> Decision | None:
-    latest = read(job.store, KEYS.latest)
-    text = None if latest is None else read(job.store, KEYS.decision(int(latest)))
-    return None if text is None or latest is None else Decision.parse(int(latest), text)
+    view = job_view(job.store)  # the public launcher's view
+    return None if view is None else view.decision
 
 
 def _whole(job: ReplicaJob, replicas: int, replica: int, token: str | None) -> bool:

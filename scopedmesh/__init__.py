@@ -28,6 +28,8 @@ from scopedmesh.layout import MeshLayout
 if TYPE_CHECKING:
     from scopedmesh.fault.heal import agree_on_lost, reform
     from scopedmesh.fault.liveness import LivenessWatch
+    from scopedmesh.fault.membership import Decision
+    from scopedmesh.fault.records import JobView, job_view
     from scopedmesh.fault.replicas import Replicas
     from scopedmesh.layout.placement import node_aware_ranks
     from scopedmesh.layout.survivors import shrink
@@ -37,8 +39,10 @@ if TYPE_CHECKING:
 __all__ = [
     "AxisError",
     "CoordinateError",
+    "Decision",
     "GroupFormationError",
     "JobFinishedError",
+    "JobView",
     "LivenessWatch",
     "LostRankError",
     "MeshClosedError",
@@ -48,6 +52,7 @@ __all__ = [
     "StepError",
     "__version__",
     "agree_on_lost",
+    "job_view",
     "node_aware_mesh",
     "node_aware_ranks",
     "reform",
@@ -63,6 +68,9 @@ _LAZY = MappingProxyType(
         "ProcessGroupMesh": "scopedmesh.mesh",
         "LivenessWatch": "scopedmesh.fault.liveness",
         "Replicas": "scopedmesh.fault.replicas",
+        "Decision": "scopedmesh.fault.membership",
+        "JobView": "scopedmesh.fault.records",
+        "job_view": "scopedmesh.fault.records",
         "agree_on_lost": "scopedmesh.fault.heal",
         "reform": "scopedmesh.fault.heal",
         "node_aware_mesh": "scopedmesh.mesh.nodes",

@@ -15,13 +15,14 @@ is pure and lives in :mod:`~scopedmesh.fault.membership`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.fault.membership import Decision, complete_joiners
 from scopedmesh.fault.probes import SlotProbes
 
-__all__ = ["Records"]
+__all__ = ["JobView", "Records", "job_view"]
 
 
 class Records:
@@ -84,3 +85,50 @@ class Records:
     def _gone(self, replica: int, token: str) -> bool:
         probes = self._probes
         return probes is not None and any(probes.gone(replica, c, token) for c in range(self.local))
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A replicated job as its store shows it: the newest epoch formed, and whether the
+    job finished (:meth:`Replicas.finish <scopedmesh.fault.replicas.Replicas.finish>`).
+
+    ``decision`` holds the epoch, its members (replica, incarnation token), the
+    source replica and the joins counted; what :meth:`Replicas.boundary` returns.
+    """
+
+    decision: Decision
+    finished: bool
+
+    @property
+    def epoch(self) -> int:
+        """The newest epoch formed."""
+        return self.decision.epoch
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """The member replicas of that epoch, ascending."""
+        return self.decision.replicas
+
+
+def job_view(store: Any) -> JobView | None:
+    """What a launcher or a dashboard reads of a replicated job in ``store``: the newest
+    epoch that formed, or None before the first; reads only (three requests), from any
+    process.
+
+    >>> import torch.distributed as dist
+    >>> store = dist.HashStore()
+    >>> job_view(store) is None
+    True
+    >>> _ = Records(store, ReplicaKeys(), 2, 1, None).decide(Decision(0, ((0, "a"),), 0, 1))
+    >>> store.set(ReplicaKeys().latest, "0")  # what the epoch's members write once formed
+    >>> view = job_view(store)
+    >>> view.epoch, view.replicas, view.finished
+    (0, (0,), False)
+    """
+    keys = ReplicaKeys()
+    latest = read(store, keys.latest)
+    text = None if latest is None else read(store, keys.decision(int(latest)))
+    if latest is None or text is None:
+        return None
+    finished = read(store, keys.finished)
+    return JobView(Decision.parse(int(latest), finished or text), finished is not None)

@@ -12,8 +12,10 @@ def test_all_is_pinned() -> None:
     assert sorted(scopedmesh.__all__) == [
         "AxisError",
         "CoordinateError",
+        "Decision",
         "GroupFormationError",
         "JobFinishedError",
+        "JobView",
         "LivenessWatch",
         "LostRankError",
         "MeshClosedError",
@@ -23,6 +25,7 @@ def test_all_is_pinned() -> None:
         "StepError",
         "__version__",
         "agree_on_lost",
+        "job_view",
         "node_aware_mesh",
         "node_aware_ranks",
         "reform",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from scopedmesh import job_view
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.fault.membership import Decision, complete_joiners, propose
 from scopedmesh.testing.replicas import ReplicaJob
@@ -127,11 +128,8 @@ def test_bad_arguments_are_refused_before_anything_is_written() -> None:
 
 
 def _decision(job: ReplicaJob) -> Decision | None:
-    latest = read(job.store, KEYS.latest)
-    if latest is None:
-        return None
-    text = read(job.store, KEYS.decision(int(latest)))
-    return None if text is None else Decision.parse(int(latest), text)
+    view = job_view(job.store)  # the public launcher's view
+    return None if view is None else view.decision
 
 
 def _full(job: ReplicaJob) -> bool:
