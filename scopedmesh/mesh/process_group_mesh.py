@@ -254,9 +254,7 @@ class ProcessGroupMesh:
         """
         self._scope.close()
 
-    def destroy_mesh_process_groups(self) -> None:
-        """Same as :meth:`close` (the name ColossalAI uses)."""
-        self._scope.close()
+    destroy_mesh_process_groups = close  # the name ColossalAI uses
 
     @property
     def closed(self) -> bool:
@@ -279,11 +277,7 @@ class ProcessGroupMesh:
 
     @property
     def aborted(self) -> str:
-        """Why this mesh's tree was aborted (ends "... was shut down"); ``""`` while it is not.
-
-        Read it after a step's collectives to know whether an abort touched them
-        (on NCCL, a collective an abort cut short looks done).
-        """
+        """Why this mesh's tree was aborted (ends "... was shut down"); ``""`` while it is not."""
         return self._table.aborted
 
     def settle(self) -> None:
@@ -300,8 +294,7 @@ class ProcessGroupMesh:
         return self._table.liveness
 
     def set_liveness(self, liveness: Liveness | None, thread: threading.Thread | None) -> None:
-        """Have formations ask ``liveness`` which peers are lost (None: nobody);
-        ``thread`` (the watch's) talks to the store over clients of its own."""
+        """Formations ask ``liveness`` who is lost; ``thread`` has store clients of its own."""
         self._table.liveness = liveness
         if thread is not None:
             self._table.store_use.declare_own_clients(thread)
@@ -476,11 +469,8 @@ class ProcessGroupMesh:
         self._table.check_not_aborted(self)
         ranks = self._members(axis, indices)
         backend_name = self._backend_name(check_backend(backend, "backend"))
-        if pg_options is not None:
-            options = pg_options
-        else:  # the mesh's options are for its own backend's groups
-            own = backend is None or backend_name == self._backend_name(None)
-            options = self._pg_options if own else None
+        own = backend is None or backend_name == self._backend_name(None)  # options are per backend
+        options = pg_options if pg_options is not None else self._pg_options if own else None
         key = (ranks, backend_name)
         if self._rank not in ranks:
             entry = Entry(key, None, options)
