@@ -12,6 +12,7 @@ import json
 # imported again, would start a second server, so it is imported here, before any run.
 import multiprocessing.forkserver  # noqa: F401
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ import json
 # imported again, would start a second server, so it is imported here, before any run.
 import multiprocessing.forkserver  # noqa: F401
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -351,7 +353,9 @@ def test_hypothesis_drives_a_world_in_lockstep_and_shrinks_a_failure(
     assert shrink["shrink-0.seen"][-1] == 17  # the last example replayed is the shrunk one
 
     # A hung example fails within the marker's timeout; the next test gets a fresh world.
-    assert "world of 2 ranks timed out after 5 s; ranks still running: [0]" in out
+    # Rank 0 hangs; rank 1, whose example returns at once, may still be starting it after
+    # 5 s on a loaded machine (a CI run with a torch download beside it: "[0, 1]").
+    assert re.search(r"world of 2 ranks timed out after 5 s; ranks still running: \[0(, 1)?\]", out)
     assert _pids(tmp_path, "after").isdisjoint(_pids(tmp_path, "hang"))
     for name in ("lockstep", "shrink", "hang", "after"):
         _assert_gone(_pids(tmp_path, name))
