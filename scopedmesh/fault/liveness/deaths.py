@@ -63,10 +63,10 @@ class DeathRecord:
         keys: WatchKeys,
         rank: int,
         on_new: Callable[[set[int]], None],
-        on_stop: Callable[[set[int]], None] | None = None,
+        on_stop: Callable[[set[tuple[int, int]]], None] | None = None,
     ) -> None:
         self.keys, self.rank, self.on_new = keys, rank, on_new
-        self.on_stop = on_stop if on_stop is not None else on_new
+        self.on_stop = on_stop  # handed each new stop as (rank, attempt)
         self._stops_seen = 0  # entries of the stops list handed over already
         self.lost: frozenset[int] = frozenset()
         self.why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
@@ -123,9 +123,9 @@ class DeathRecord:
         entries = [item for item in (read(store, self.keys.stops) or "").split(",") if item]
         with self._lock:
             new, self._stops_seen = entries[self._stops_seen :], max(self._stops_seen, len(entries))
-        ranks = {int(item.partition(":")[0]) for item in new}
-        if ranks:
-            self.on_stop(ranks)
+        stops = {(int(rank), int(attempt)) for rank, _, attempt in (i.partition(":") for i in new)}
+        if stops and self.on_stop is not None:
+            self.on_stop(stops)
 
     def poll(self, store: Any, seen: int) -> int:
         """Learn the store's deaths if its counter moved from ``seen`` (one request; one

@@ -35,6 +35,7 @@ class Guard:
         self.meshes: tuple[ProcessGroupMesh, ...] = ()
         self.aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
         self._warned = False  # whether add() has checked that groups are closable
+        self._since: dict[int, int] = {}  # id(mesh) -> the watch's agreements when guarded
 
     def add(
         self,
@@ -42,16 +43,20 @@ class Guard:
         liveness: Liveness,
         thread: threading.Thread,
         lost: Callable[[], frozenset[int]],
+        since: int = 0,
     ) -> None:
         """Guard ``mesh`` for ``liveness`` (whose ``thread`` has store clients of its own);
         abort it at once if it holds a rank in ``lost()``.
 
         ``lost()`` is read once ``mesh`` is registered: a death learned before that
         is in it, one learned after hits the registered mesh (:meth:`hit`), so
-        none falls between the two.
+        none falls between the two. ``since`` is how many agreements the watch had
+        held: stops of earlier attempts never abort ``mesh``.
         """
         self._warn_if_not_closable()
         self.meshes = (*[m for m in self.meshes if not m.closed], mesh)
+        self._since = {id(m): self._since.get(id(m), since) for m in self.meshes}
+        self._since[id(mesh)] = since  # never a dropped mesh's, whose id it may reuse
         mesh.set_liveness(liveness, thread)  # formations ask it; never uses torch's client
         self.settle()
         dead = lost().intersection(mesh.layout.ranks)
@@ -66,11 +71,15 @@ class Guard:
             if hit and not mesh.closed:
                 self._abort(mesh, hit)
 
-    def stop(self, ranks: Iterable[int]) -> None:
-        """Abort the open guarded meshes that hold a rank of ``ranks``, whose step raised."""
-        ranks = set(ranks)
+    def stop(self, stops: Iterable[tuple[int, int]]) -> None:
+        """Abort the open guarded meshes that hold a rank whose step raised, ``(rank,
+        attempt)``: those guarded before that attempt's agreement, never one re-formed after
+        it (a stop the thread reads late must not abort the survivors' new mesh)."""
         for mesh in self.meshes:
-            hit = sorted(ranks.intersection(mesh.layout.ranks))
+            since = self._since.get(id(mesh), 0)
+            hit = sorted(
+                {r for r, attempt in stops if attempt >= since}.intersection(mesh.layout.ranks)
+            )
             if hit and not mesh.closed:
                 mesh.abort(f"when rank(s) {hit} stopped the step (an exception in it)")
 

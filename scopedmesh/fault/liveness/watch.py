@@ -255,7 +255,7 @@ class LivenessWatch:
         check_error_handling(mesh.backend or dist.get_backend(), os.environ)  # None: WORLD's
         self._check_open()
         self._check_thread()
-        self._guard.add(mesh, self, self._thread, lambda: self._record.lost)
+        self._guard.add(mesh, self, self._thread, lambda: self._record.lost, self._events)
         return mesh
 
     def step(self, mesh: ProcessGroupMesh, axis: Axis) -> Step:
