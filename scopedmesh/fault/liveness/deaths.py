@@ -30,7 +30,7 @@ from typing import Any
 
 from scopedmesh.c10d.store import WatchKeys, read
 
-__all__ = ["CLOSED", "REREAD_EVERY", "UNREACHABLE", "DeathRecord", "parse_deaths"]
+__all__ = ["CLOSED", "REREAD_EVERY", "UNREACHABLE", "DeathRecord", "parse_deaths", "parse_stops"]
 
 CLOSED = "closed"  # why a rank is lost: its connection closed without a goodbye
 UNREACHABLE = "unreachable"  # why a rank is lost: its host stopped answering
@@ -44,6 +44,18 @@ def parse_deaths(text: str) -> dict[int, str]:
     for rank, _, reason in (item.partition(":") for item in text.split(",") if item):
         found.setdefault(int(rank), reason)
     return found
+
+
+def parse_stops(text: str) -> list[tuple[int, int]]:
+    """The store's list of stops (``"3:0,1:2,"``) as (rank, attempt), in posting order.
+
+    >>> parse_stops("3:0,1:2,")
+    [(3, 0), (1, 2)]
+    """
+    return [
+        (int(rank), int(attempt))
+        for rank, _, attempt in (item.partition(":") for item in text.split(",") if item)
+    ]
 
 
 class DeathRecord:
@@ -112,20 +124,16 @@ class DeathRecord:
 
     def first_stop(self, store: Any, count: int) -> int | None:
         """The rank whose stop of ``count`` was posted first, or None (one request)."""
-        for item in (read(store, self.keys.stops) or "").split(","):
-            rank, _, posted = item.partition(":")
-            if posted and int(posted) == count:
-                return int(rank)
-        return None
+        stops = parse_stops(read(store, self.keys.stops) or "")
+        return next((rank for rank, attempt in stops if attempt == count), None)
 
     def read_stops(self, store: Any) -> None:
         """Hand the stops posted since the last read to ``on_stop`` (one request)."""
-        entries = [item for item in (read(store, self.keys.stops) or "").split(",") if item]
+        stops = parse_stops(read(store, self.keys.stops) or "")
         with self._lock:
-            new, self._stops_seen = entries[self._stops_seen :], max(self._stops_seen, len(entries))
-        stops = {(int(rank), int(attempt)) for rank, _, attempt in (i.partition(":") for i in new)}
-        if stops and self.on_stop is not None:
-            self.on_stop(stops)
+            new, self._stops_seen = stops[self._stops_seen :], max(self._stops_seen, len(stops))
+        if new and self.on_stop is not None:
+            self.on_stop(set(new))
 
     def poll(self, store: Any, seen: int) -> int:
         """Learn the store's deaths if its counter moved from ``seen`` (one request; one
