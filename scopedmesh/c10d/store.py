@@ -286,9 +286,18 @@ class AgreementKeys:
         """How many entries were appended (a hint: who appends adds 1 after)."""
         return f"{self.base}/appended"
 
-    def all(self) -> list[str]:
-        """Every key the agreement can write."""
-        return [self.decision, self.entries, self.appended]
+    @property
+    def look(self) -> str:
+        """Who claimed the one look of a member that is not the lowest (the first claimer)."""
+        return f"{self.base}/look"
+
+    def claim(self, rank: int) -> str:
+        """How many survivors claimed to account for lost ``rank``: the first appends its entry."""
+        return f"{self.base}/claim/{rank}"
+
+    def all(self, lost: Iterable[int] = ()) -> list[str]:
+        """Every key the agreement can write, given the ranks it ``lost`` (their claims)."""
+        return [self.decision, self.entries, self.appended, self.look, *map(self.claim, lost)]
 
 
 @dataclass(frozen=True)
@@ -302,10 +311,10 @@ class WatchKeys:
     >>> keys.addr(3), keys.lost, WatchKeys.counter(0)
     ('scopedmesh-watch/1/addr/3', 'scopedmesh-watch/1/lost', 'scopedmesh-watch/count/0')
     >>> keys.all([0], ["t", "t"])  # doctest: +NORMALIZE_WHITESPACE
-    ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/deaths', 'scopedmesh-watch/1/lost',
-     'scopedmesh-watch/1/tags', 'scopedmesh-watch/1/stops', 'scopedmesh-watch/1/agree/t/decision',
+    ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/lost', 'scopedmesh-watch/1/tags',
+     'scopedmesh-watch/1/stops', 'scopedmesh-watch/1/agree/t/decision',
      'scopedmesh-watch/1/agree/t/in', 'scopedmesh-watch/1/agree/t/appended',
-     'scopedmesh-watch/1/addr/0']
+     'scopedmesh-watch/1/addr/0', 'scopedmesh-watch/1/wake/0', 'scopedmesh-watch/1/declared/0']
     """
 
     prefix: str
@@ -321,11 +330,6 @@ class WatchKeys:
         return f"{self.prefix}/closed"
 
     @property
-    def deaths(self) -> str:
-        """How many declarations of deaths were made (a hint, read every interval)."""
-        return f"{self.prefix}/deaths"
-
-    @property
     def lost(self) -> str:
         """The deaths as ``rank:reason,`` entries, appended by whoever declared each (the
         first entry of a rank is its reason; the one write a declaration needs)."""
@@ -339,13 +343,22 @@ class WatchKeys:
     @property
     def stops(self) -> str:
         """The steps a member's own exception stopped, as ``rank:count,`` entries (appended;
-        every watch then aborts its guarded meshes that hold that rank; the hint is
-        :attr:`deaths`)."""
+        every watch then aborts its guarded meshes that hold that rank; the members are
+        woken through :meth:`wake`)."""
         return f"{self.prefix}/stops"
 
     def addr(self, rank: int) -> str:
         """``rank``'s ring listener (``host:port``); deleted when it leaves."""
         return f"{self.prefix}/addr/{rank}"
+
+    def wake(self, rank: int) -> str:
+        """The key ``rank``'s watch blocks on (a server-side ``wait``, no polling): set by
+        whoever has news for it (a death, a stop, a decision), deleted by ``rank`` once woken."""
+        return f"{self.prefix}/wake/{rank}"
+
+    def declared(self, rank: int) -> str:
+        """How many watchers declared ``rank``'s death: only the first one wakes the members."""
+        return f"{self.prefix}/declared/{rank}"
 
     def agreement(self, tag: str) -> AgreementKeys:
         """The keys of the agreement ``tag``."""
@@ -355,10 +368,12 @@ class WatchKeys:
         """Every key the watches under this prefix over ``ranks`` can leave, given their
         agreement ``tags`` (each once; empty ones skipped); the per-rank counters are not
         among them."""
-        keys = [self.closed, self.deaths, self.lost, self.tags, self.stops]
+        keys = [self.closed, self.lost, self.tags, self.stops]
         for tag in dict.fromkeys(tag for tag in tags if tag):
             keys += self.agreement(tag).all()
-        return keys + [self.addr(rank) for rank in ranks]
+        ranks = list(ranks)
+        keys += [self.addr(rank) for rank in ranks] + [self.wake(rank) for rank in ranks]
+        return keys + [self.declared(rank) for rank in ranks]
 
 
 # ------------------------------------------------------------------ agree_on_lost (no watch)

@@ -146,22 +146,43 @@ def test_a_steps_agreement_decides_the_highest_count_of_committed_steps(
 
 @pytest.mark.parametrize("writes", [1, 2])
 def test_a_death_declared_by_dying_watchers_reaches_every_watch(writes: int) -> None:
-    """Both watchers of rank 3 declare it and die after ``writes`` writes each (at least
-    one: a watcher that wrote nothing is declared by its own watcher, who then finds
-    rank 3 dead as it relinks); a third watch must learn of rank 3 from the store
-    within a bounded number of polls."""
-    store, keys = dist.HashStore(), WatchKeys("w")
-    for watcher in (0, 2):
+    """Both watchers of rank 3 (ranks 2 and 4) declare it and die after ``writes`` writes
+    each (its entry appended; with 2, its declaration counted too), so neither wakes the
+    members. Their own deaths are then declared by their watchers (ranks 1 and 5): that
+    wake-up must reach rank 0, and its one read of the lists must teach it rank 3 too."""
+    store, keys, ranks = dist.HashStore(), WatchKeys("w"), tuple(range(6))
+    for listed in (keys.lost, keys.stops):
+        store.append(listed, "")
+    for watcher in (2, 4):
         try:
-            DeathRecord(keys, watcher, lambda new: None).declare(
+            DeathRecord(keys, watcher, lambda new: None, ranks=ranks).declare(
                 DyingStore(store, writes), 3, CLOSED
             )
         except ConnectionError:
             pass
-    observer, seen = DeathRecord(keys, 1, lambda new: None), 0
-    for _ in range(40):
-        seen = observer.poll(store, seen)
-    assert observer.lost == {3}
+    assert not store.check([keys.wake(0)]), "a dying declarer woke the members"
+    DeathRecord(keys, 1, lambda new: None, ranks=ranks).declare(store, 2, CLOSED)
+    DeathRecord(keys, 5, lambda new: None, ranks=ranks).declare(store, 4, CLOSED)
+    assert store.check([keys.wake(0)])
+    observer = DeathRecord(keys, 0, lambda new: None, ranks=ranks)
+    deaths, stops = store.multi_get([keys.lost, keys.stops])
+    observer.take(deaths.decode(), stops.decode())
+    assert observer.lost == {2, 3, 4}
+
+
+def test_only_a_deaths_first_declarer_wakes_the_members_and_never_the_dead() -> None:
+    """Two watchers declare rank 3: one ``multi_set`` wakes every member but rank 3 and
+    the declarer (it learned it already); the second declarer appends, and wakes nobody."""
+    store, keys, ranks = dist.HashStore(), WatchKeys("w"), tuple(range(5))
+    counting = CountingStore(store)
+    DeathRecord(keys, 2, lambda new: None, ranks=ranks).declare(counting, 3, CLOSED)
+    woken = [rank for rank in ranks if store.check([keys.wake(rank)])]
+    assert woken == [0, 1, 4]
+    for rank in woken:
+        store.delete_key(keys.wake(rank))
+    DeathRecord(keys, 4, lambda new: None, ranks=ranks).declare(store, 3, CLOSED)
+    assert [rank for rank in ranks if store.check([keys.wake(rank)])] == []
+    assert store.get(keys.lost) == b"3:closed,3:closed,"
 
 
 # ------------------------------------------------------------------ the clean-up
@@ -191,11 +212,12 @@ def _agree_then_close(members: int, dead: int) -> tuple[list[str], list[str], li
     Returns what the last clean-up deleted, the keys before it, the keys after it."""
     store, keys, ranks = dist.HashStore(), WatchKeys("scopedmesh-watch/1"), list(range(members))
     survivors, lost = ranks[: members - dead], frozenset(ranks[members - dead :])
-    for rank in ranks:  # each joins the ring, and its thread polls the death counter
+    for rank in ranks:  # each joins the ring, and makes the lists a wake-up reads
         store.set(keys.addr(rank), "127.0.0.1:1")
-        store.add(keys.deaths, 0)
+        store.append(keys.lost, "")
+        store.append(keys.stops, "")
     for rank in sorted(lost):
-        DeathRecord(keys, 0, lambda new: None).declare(store, rank, CLOSED)
+        DeathRecord(keys, 0, lambda new: None, ranks=tuple(ranks)).declare(store, rank, CLOSED)
     for rank in survivors:  # agree(): the tag for the clean-up, then the check-in
         store.append(keys.tags, "event0\n")
         Agreement(store, keys.agreement("event0"), ranks, rank).check_in()
@@ -206,6 +228,7 @@ def _agree_then_close(members: int, dead: int) -> tuple[list[str], list[str], li
     counting = CountingStore(store)
     for rank in survivors:
         store.delete_key(keys.addr(rank))  # close() deletes its own address first
+        store.set(keys.wake(rank), "closing")  # and wakes its own store thread to stop
         shell: Any = object.__new__(LivenessWatch)
         shell._store, shell.keys, shell.ranks = counting, keys, tuple(ranks)
         if rank == survivors[-1]:
@@ -219,11 +242,81 @@ def _agree_then_close(members: int, dead: int) -> tuple[list[str], list[str], li
 def test_the_clean_up_deletes_the_keys_written_each_once_and_leaves_none(
     members: int, dead: int
 ) -> None:
-    """The last member to close deletes exactly the keys the watches wrote (those before
-    its clean-up, and the ``closed`` counter it adds): O(keys written), whatever the
-    number of members. It was 164 deletions for 8 members and ~2.1 million for 1,024."""
+    """The last member to close deletes every key the watches wrote (those before its
+    clean-up, and the ``closed`` counter it adds), each once: O(keys written), whatever
+    the number of members. It was 164 deletions for 8 members and ~2.1 million for
+    1,024. Besides, at most two keys per dead member that may not exist (its wake key:
+    a wake-up skips a member known lost; an agreement's claim of it) and one per
+    agreement (the claim of its one look)."""
     deleted, before, after = _agree_then_close(members, dead)
-    written = sorted({*before, WatchKeys("scopedmesh-watch/1").closed})
+    written = {*before, WatchKeys("scopedmesh-watch/1").closed}
     print(f"{members} members, {dead} dead: {len(deleted)} deletions, {len(written)} keys")
     assert after == []
-    assert sorted(deleted) == written, (len(deleted), len(written))
+    assert len(deleted) == len(set(deleted))
+    assert written <= set(deleted), sorted(written.difference(deleted))[:5]
+    assert len(deleted) - len(written) <= 2 * dead + 1, (len(deleted), len(written))
+
+
+# ------------------------------------------------------------------ an agreement at scale
+
+
+class Requests:
+    """A client that counts every request made through it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+
+        def counted(*args: Any) -> Any:
+            self.requests += 1
+            return attr(*args)
+
+        return counted
+
+
+@pytest.mark.parametrize("dead", [0, 1, 2, 8])
+def test_an_agreement_of_1024_members_asks_each_a_handful_of_requests(
+    dead: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,024 members agree, ``dead`` of them (a node's 8 at most) known dead already, each
+    in a thread of its own: every survivor decides the dead set, and asks the store
+    three requests, whatever the number of members or deaths: its check-in (an append
+    and the count) and, once woken, the decision's read. The one member whose count
+    accounts for everyone instead reads the entries and the deaths, and writes the
+    decision: five. (Looks at a stalled agreement, which a slow machine may start, are
+    put off here so that the counts do not depend on time; the store thread's own
+    wake-up, a wait, a delete and one read of both lists, is not counted here.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scopedmesh.c10d.store import read
+    from scopedmesh.fault.liveness import agreement
+    from scopedmesh.fault.liveness.deaths import parse_deaths
+
+    monkeypatch.setattr(agreement, "LOOK_EVERY", 600.0)
+    members = list(range(1024))
+    lost = frozenset(members[len(members) - dead :])
+    survivors = [rank for rank in members if rank not in lost]
+    store, keys = dist.HashStore(), WatchKeys("w")
+    store.append(keys.lost, "".join(f"{rank}:closed," for rank in sorted(lost)))
+    records = {r: DeathRecord(keys, r, lambda new: None, ranks=tuple(members)) for r in members}
+    clients = {rank: Requests(store) for rank in survivors}
+
+    def agree(rank: int) -> frozenset[int]:
+        client = clients[rank]
+        return Agreement(client, keys.agreement("t"), members, rank).await_decision(
+            lambda: lost,
+            lambda: frozenset(parse_deaths(read(client, keys.lost) or "")),
+            records[rank],
+            lambda ranks: [records[r].notify() for r in ranks],
+            limit=120,
+            tag="t",
+        )
+
+    with ThreadPoolExecutor(max_workers=len(survivors)) as pool:
+        decisions = set(pool.map(agree, survivors))
+    assert decisions == {lost}
+    per_member = sorted(client.requests for client in clients.values())
+    print(f"{dead} dead: requests per member {per_member[0]}..{per_member[-1]}")
+    assert per_member == [3] * (len(survivors) - 1) + [5]

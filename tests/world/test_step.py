@@ -126,9 +126,10 @@ def test_a_survived_thread_failure_is_raised_after_the_agreement_not_in_it() -> 
     with LivenessWatch(interval=0.02, timeout=10) as watch:
         check_in = agreement.Agreement.check_in
 
-        def check_in_then_fail(self: Any) -> None:
-            check_in(self)
+        def check_in_then_fail(self: Any) -> int:
+            count = check_in(self)
             watch._report("failed while watching (it goes on)", OSError("injected"))
+            return count
 
         agreement.Agreement.check_in = check_in_then_fail  # type: ignore[method-assign]
         try:

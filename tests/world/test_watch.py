@@ -79,7 +79,7 @@ def _check_nothing_left(result: dict[str, Any], reports: dict[int, dict[str, Any
     for report in reports.values():
         if "died_at" in report:
             continue
-        assert report["threads_running"] == 1, report  # one thread while the watch runs
+        assert report["threads_running"] == 2, report  # two threads while the watch runs
         assert report["threads_left"] == 0, report
         assert report["fds_left"] == 0, report  # descriptors opened since and still open
     assert result["watch_keys"] == []
@@ -307,7 +307,7 @@ def test_soak_200_heals_leave_nothing_behind() -> None:
         threads_left += sum(rep["threads_left"] for rep in lived)
         fds_left += sum(rep["fds_left"] for rep in lived)
         keys_left += len(result["watch_keys"])
-    assert (running, threads_left, fds_left, keys_left) == (7 * heals, 0, 0, 0)
+    assert (running, threads_left, fds_left, keys_left) == (2 * 7 * heals, 0, 0, 0)
     _figure(
         f"soak: {heals} SIGKILLs healed (8 ranks, 2x2x2)",
         heals=len(totals),

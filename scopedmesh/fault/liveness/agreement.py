@@ -26,10 +26,20 @@ from typing import Any
 
 from scopedmesh.c10d.store import AgreementKeys, read
 
-__all__ = ["REREAD_EVERY", "Agreement", "accounted", "committed_of", "decision_of"]
+__all__ = [
+    "LOOK_AT_MOST",
+    "LOOK_EVERY",
+    "REREAD_EVERY",
+    "Agreement",
+    "accounted",
+    "committed_of",
+    "decision_of",
+]
 
 
 REREAD_EVERY = 8  # polls: how often a poll reads the entries whatever the hint says
+LOOK_EVERY = 0.25  # seconds before a member first looks at a stalled agreement (then doubled)
+LOOK_AT_MOST = 4.0  # seconds: the longest wait between two looks
 
 
 def accounted(text: str) -> dict[int, bool]:
@@ -82,16 +92,19 @@ class Agreement:
         self.committed = committed  # steps this rank committed; the decision's highest, after
         self._accounted: set[int] = set()  # members this rank found or appended an entry for
         self._polls = 0
+        self.wrote = False  # whether this rank's proposal is the decision (it wakes the others)
 
-    def _append(self, rank: int, state: str) -> None:
-        """Account for ``rank`` as ``state`` (one atomic append), then bump the hint."""
+    def _append(self, rank: int, state: str) -> int:
+        """Account for ``rank`` as ``state`` (one atomic append), then bump the hint; its value."""
         self._accounted.add(rank)
         self.store.append(self.keys.entries, f"{rank}:{state},")
-        self.store.add(self.keys.appended, 1)
+        return int(self.store.add(self.keys.appended, 1))
 
-    def check_in(self) -> None:
-        """Account for this rank as alive (a survivor that saw it lost may have been first)."""
-        self._append(self.rank, "alive" if self.committed is None else f"alive/{self.committed}")
+    def check_in(self) -> int:
+        """Account for this rank as alive (a survivor that saw it lost may have been first);
+        the number of entries appended so far, this one included."""
+        state = "alive" if self.committed is None else f"alive/{self.committed}"
+        return self._append(self.rank, state)
 
     def poll(
         self, lost: frozenset[int], read_deaths: Callable[[], frozenset[int]]
@@ -109,6 +122,13 @@ class Agreement:
                 self._append(rank, "lost")
                 entries[rank] = True
         self._accounted.update(pending)
+        return self._propose(text, entries, read_deaths)
+
+    def _propose(
+        self, text: str, entries: dict[int, bool], read_deaths: Callable[[], frozenset[int]]
+    ) -> frozenset[int] | None:
+        """Write the decision once ``entries`` account for every member (``compare_set``:
+        the first written stands); the decision, or None while a member is missing."""
         if any(rank not in entries for rank in self.members):
             return None
         marked = {rank for rank, said_lost in entries.items() if said_lost}
@@ -118,6 +138,7 @@ class Agreement:
         if counts:  # whoever writes the decision, it holds the highest count checked in
             proposal += f";committed:{max(counts)}"
         decision = self.store.compare_set(self.keys.decision, "", proposal).decode()
+        self.wrote = decision == proposal
         self.committed = committed_of(decision)
         return decision_of(decision)
 
@@ -126,25 +147,92 @@ class Agreement:
         entries = accounted(read(self.store, self.keys.entries) or "")
         return [r for r in self.members if r not in lost and r not in entries]
 
-    def decide(
+    def _complete_here(self, lost: frozenset[int]) -> bool:
+        """Whether the entries counted (one request) and the deaths known here may account
+        for every member, so that a look at the list is worth it (duplicates may overcount)."""
+        counted = int(self.store.add(self.keys.appended, 0))
+        return counted + len(lost.intersection(self.members)) >= len(self.members)
+
+    def _look(
+        self, lost: frozenset[int], read_deaths: Callable[[], frozenset[int]]
+    ) -> frozenset[int] | None:
+        """Read the entries and the store's deaths (a member listed dead is accounted for as
+        lost), and propose: the decision, or None while a member is missing."""
+        text = read(self.store, self.keys.entries) or ""
+        entries = accounted(text)
+        deaths = read_deaths().union(lost)
+        for rank in deaths.intersection(self.members).difference(entries):
+            entries[rank] = True
+        return self._propose(text, entries, lambda: deaths)
+
+    def _read_decision(self) -> frozenset[int] | None:
+        """The decision if one was written (one request), else None."""
+        text = read(self.store, self.keys.decision)
+        if not text:
+            return None
+        self.committed = committed_of(text)
+        return decision_of(text)
+
+    def await_decision(
         self,
         lost: Callable[[], frozenset[int]],
         read_deaths: Callable[[], frozenset[int]],
+        news: Any,
+        wake: Callable[[list[int]], None],
         *,
-        interval: float,
         limit: float,
         tag: str,
     ) -> frozenset[int]:
-        """Check in, then poll every ``interval`` until the decision; at most ``limit`` seconds.
+        """Check in, then sleep until the decision; no polling, at most ``limit`` seconds.
 
-        ``lost`` answers the deaths known here, ``read_deaths`` those the store lists. Raises ``TimeoutError`` naming
-        the members still unaccounted for.
+        A member listed dead in the store is accounted for as lost: nobody writes
+        an entry for it. Each member checks in (an append, then an ``add`` that
+        counts the entries); one whose count and known deaths account for every
+        member reads the list and the deaths, and writes the decision, then wakes
+        the others (``wake``). They sleep on ``news`` (:meth:`DeathRecord.wait_for_news
+        <scopedmesh.fault.liveness.deaths.DeathRecord.wait_for_news>`) and, once
+        woken, read the decision; a death learned meanwhile costs a member one
+        request (the count), and one claim (an ``add``) where the count and the
+        deaths now account for everyone: the first claimer looks. A handful of
+        requests per member, whatever the number of members or deaths. While no
+        decision is known, after :data:`LOOK_EVERY` seconds and then twice as long
+        each time (up to :data:`LOOK_AT_MOST`), the lowest surviving member looks
+        whatever the count says (a writer that died between its append and its
+        count left it short), and the others read the count: the first to claim
+        the agreement's one look, once the count says everyone is in, looks (a
+        closed watch's last check-in counts no one in).
+        Raises ``TimeoutError`` naming the members unaccounted for.
         """
-        self.check_in()
+        heard = news.heard
+        known = lost()
+        count = self.check_in()
         deadline = time.monotonic() + limit
+        pause = LOOK_EVERY
+        look_at = time.monotonic() + pause
+        woken = False
         while True:
-            decision = self.poll(lost(), read_deaths)
+            decision = None
+            if count + len(known.intersection(self.members)) >= len(self.members):
+                count = -len(self.members)  # one look per check-in
+                decision = self._look(known, read_deaths)
+            now_known = lost()
+            new = sorted(now_known.difference(known).intersection(self.members))
+            known = now_known
+            if decision is None and new and self._complete_here(known):
+                if int(self.store.add(self.keys.claim(new[-1]), 1)) == 1:
+                    decision = self._look(known, read_deaths)
+            if decision is None and time.monotonic() >= look_at:
+                pause = min(2 * pause, LOOK_AT_MOST)
+                look_at = time.monotonic() + pause
+                if self.rank == min(set(self.members).difference(known)) or (
+                    self._complete_here(known) and int(self.store.add(self.keys.look, 1)) == 1
+                ):
+                    decision = self._look(known, read_deaths)
+            if decision is None and woken:
+                decision = self._read_decision()
             if decision is not None:
+                if self.wrote:
+                    wake([r for r in self.members if r != self.rank and r not in decision])
                 return decision
             if time.monotonic() >= deadline:
                 missing = self.missing(lost())
@@ -153,7 +241,9 @@ class Agreement:
                     f"lost within {limit:g} s; they are alive (their sockets are open): every "
                     "survivor must call agree with the same tag"
                 )
-            time.sleep(interval)
+            wait = min(deadline, look_at) - time.monotonic()
+            now_heard = news.wait_for_news(heard, wait)
+            woken, heard = now_heard != heard, now_heard
 
 
 def decision_of(text: str) -> frozenset[int]:

@@ -3,18 +3,21 @@
 A death is declared by one atomic write, whoever sees it: an entry
 ``rank:reason,`` appended to the list ``<prefix>/lost`` (the first entry of a
 rank gives its reason; a second watcher's entry is a harmless duplicate).
-The declarer then adds 1 to the counter ``<prefix>/deaths``, a hint that every
-watch polls (one request an interval) and that tells it to read the list. A
-declarer that dies between its two writes leaves the hint short: every watch
-also reads the list every :data:`REREAD_EVERY` polls, so the death is learned
-a few intervals later, never lost. Learning a death (from a socket or from
-the store) records when and why, and hands the new deaths to whoever must act
-on them (the guard).
+The first declarer of a rank (a counter per rank says which) then wakes every
+member: one ``multi_set`` of the members' *wake* keys, on each of which one
+member's watch blocks in a server-side ``wait``. Nobody polls: an idle job
+asks nothing of the store, whatever its size. A woken member deletes its
+wake key and reads both lists in one request (:meth:`DeathRecord.take`).
+A declarer that dies between its writes leaves its death listed but nobody
+woken; its own death is then declared by its watchers, and that wake-up
+makes everyone read the list. Learning a death (from a socket or from the
+store) records when and why, and hands the new deaths to whoever must act on
+them (the guard).
 
 A member whose own step raised posts a *stop* the same way: an entry
-``rank:attempt,`` appended to ``<prefix>/stops``, then the same hint. Every watch
-hands each stop it learns, once, to whoever aborts the meshes holding that
-rank, without counting the rank as lost: its step fails everywhere, and
+``rank:attempt,`` appended to ``<prefix>/stops``, then the same wake-up. Every
+watch hands each stop it learns, once, to whoever aborts the meshes holding
+that rank, without counting the rank as lost: its step fails everywhere, and
 nobody waits for its collectives' timeout (:class:`~scopedmesh.fault.liveness.step.Step`).
 
 >>> parse_deaths("3:closed,5:unreachable,")
@@ -25,16 +28,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from scopedmesh.c10d.store import WatchKeys, read
 
-__all__ = ["CLOSED", "REREAD_EVERY", "UNREACHABLE", "DeathRecord", "parse_deaths", "parse_stops"]
+__all__ = ["CLOSED", "UNREACHABLE", "DeathRecord", "parse_deaths", "parse_stops"]
 
 CLOSED = "closed"  # why a rank is lost: its connection closed without a goodbye
 UNREACHABLE = "unreachable"  # why a rank is lost: its host stopped answering
-REREAD_EVERY = 25  # polls: how often the list of deaths is read whatever its counter says
 
 
 def parse_deaths(text: str) -> dict[int, str]:
@@ -62,7 +64,9 @@ class DeathRecord:
     """The deaths one watch has learned: ``lost`` (never shrinks), why and when.
 
     ``on_new`` is called with each set of newly learned deaths (the guard
-    aborts the meshes they hit).
+    aborts the meshes they hit); ``ranks`` are the members a declaration wakes.
+    :meth:`wait_for_news` lets a caller (an agreement) sleep until the store
+    woke this member or a death was learned, asking the store nothing meanwhile.
 
     >>> record = DeathRecord(WatchKeys("w"), 0, lambda new: print(sorted(new)))
     >>> record.learn({3: CLOSED}); record.learn({3: CLOSED}); record.lost
@@ -76,15 +80,17 @@ class DeathRecord:
         rank: int,
         on_new: Callable[[set[int]], None],
         on_stop: Callable[[set[tuple[int, int]]], None] | None = None,
+        ranks: tuple[int, ...] = (),
     ) -> None:
-        self.keys, self.rank, self.on_new = keys, rank, on_new
+        self.keys, self.rank, self.on_new, self.ranks = keys, rank, on_new, ranks
         self.on_stop = on_stop  # handed each new stop as (rank, attempt)
         self._stops_seen = 0  # entries of the stops list handed over already
         self.lost: frozenset[int] = frozenset()
         self.why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self.learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
-        self._polls = 0
-        self._lock = threading.Lock()  # both threads learn: no update may overwrite another
+        self._lock = threading.Lock()  # the threads learn: no update may overwrite another
+        self._news = threading.Condition()  # notified at each wake-up and each death learned
+        self.heard = 0  # how many times it was notified (wait_for_news compares)
 
     def learn(self, dead: dict[int, str]) -> None:
         """Learn the deaths in ``dead`` (rank -> reason); hand the new ones to ``on_new``.
@@ -102,13 +108,35 @@ class DeathRecord:
                 self.why[rank] = dead[rank]
             self.lost = self.lost | new
         self.on_new(new)
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake whoever waits for news (:meth:`wait_for_news`)."""
+        with self._news:
+            self.heard += 1
+            self._news.notify_all()
+
+    def wait_for_news(self, heard: int, timeout: float) -> int:
+        """Sleep until :attr:`heard` passes ``heard`` or ``timeout`` seconds pass; the count."""
+        with self._news:
+            self._news.wait_for(lambda: self.heard != heard, max(0.0, timeout))
+            return self.heard
+
+    def wake(self, store: Any, ranks: Iterable[int] | None = None) -> None:
+        """Wake ``ranks`` (default: every member not known lost) through their wake keys:
+        one ``multi_set``, whatever their number."""
+        targets = [r for r in (self.ranks if ranks is None else ranks) if r not in self.lost]
+        if targets:
+            store.multi_set([self.keys.wake(r) for r in targets], ["1"] * len(targets))
 
     def declare(self, store: Any, rank: int, reason: str) -> None:
-        """Write ``rank``'s death and ``reason`` to the store (one append), so that the
-        others learn it first; then learn it here, even if the store failed."""
+        """Write ``rank``'s death and ``reason`` to the store (one append) and, as its first
+        declarer, wake the members (a count, then one ``multi_set``); then learn it here,
+        even if the store failed."""
         try:
             store.append(self.keys.lost, f"{rank}:{reason},")
-            store.add(self.keys.deaths, 1)
+            if int(store.add(self.keys.declared(rank), 1)) == 1:
+                self.wake(store, [r for r in self.ranks if r not in (rank, self.rank)])
         finally:
             self.learn({rank: reason})
 
@@ -118,30 +146,23 @@ class DeathRecord:
         return self.lost
 
     def stop(self, store: Any, count: int) -> None:
-        """Post that this rank's step raised in attempt ``count`` (one append, then the hint)."""
+        """Post that this rank's step raised in attempt ``count`` (one append, then the
+        members' wake-up)."""
         store.append(self.keys.stops, f"{self.rank}:{count},")
-        store.add(self.keys.deaths, 1)
+        self.wake(store)
 
     def first_stop(self, store: Any, count: int) -> int | None:
         """The rank whose stop of ``count`` was posted first, or None (one request)."""
         stops = parse_stops(read(store, self.keys.stops) or "")
         return next((rank for rank, attempt in stops if attempt == count), None)
 
-    def read_stops(self, store: Any) -> None:
-        """Hand the stops posted since the last read to ``on_stop`` (one request)."""
-        stops = parse_stops(read(store, self.keys.stops) or "")
+    def take(self, deaths: str, stops: str) -> None:
+        """Learn the store's lists of ``deaths`` and ``stops`` (read together at a wake-up):
+        the new deaths, then the stops posted since the last take (to ``on_stop``, once)."""
+        self.learn(parse_deaths(deaths))
+        posted = parse_stops(stops)
         with self._lock:
-            new, self._stops_seen = stops[self._stops_seen :], max(self._stops_seen, len(stops))
+            new, self._stops_seen = posted[self._stops_seen :], max(self._stops_seen, len(posted))
         if new and self.on_stop is not None:
             self.on_stop(set(new))
-
-    def poll(self, store: Any, seen: int) -> int:
-        """Learn the store's deaths if its counter moved from ``seen`` (one request; one
-        more then, and every :data:`REREAD_EVERY` polls); the counter's value."""
-        self._polls += 1
-        count = int(store.add(self.keys.deaths, 0))
-        if count != seen:
-            self.read_stops(store)
-        if count != seen or self._polls % REREAD_EVERY == 0:
-            self.read(store)
-        return count
+        self.notify()

@@ -92,6 +92,10 @@ class Guard:
         for mesh in self.meshes:
             mesh.settle()
 
+    def unsettled(self) -> bool:
+        """Whether a guarded mesh was aborted and is not closed yet (it needs settling)."""
+        return any(mesh.aborted and not mesh.closed for mesh in self.meshes)
+
     def release(self, liveness: Liveness) -> None:
         """Let go of every mesh: their formations stop asking ``liveness``."""
         for mesh in self.meshes:

@@ -212,8 +212,9 @@ class Ring:
             if rank in self.record.lost:
                 return None
 
-    def select(self, selector: selectors.BaseSelector, wait: float) -> list[Any]:
-        """The sockets readable within ``wait`` seconds, the selector kept to the live set."""
+    def select(self, selector: selectors.BaseSelector, wait: float | None) -> list[Any]:
+        """The sockets readable within ``wait`` seconds (None: no limit), the selector kept
+        to the live set."""
         watched: set[Any] = {self.listener, self.wake_r, *self.peers}
         if self.succ is not None:
             watched.add(self.succ[1])
@@ -269,6 +270,18 @@ class Ring:
         """Wake the thread that reads the ring, so that it stops."""
         with contextlib.suppress(OSError):
             self.wake_w.send(b"x")
+
+    def nudge(self) -> None:
+        """Wake the thread that reads the ring, so that it looks at its work (it goes on)."""
+        with contextlib.suppress(OSError):
+            self.wake_w.send(b"n")
+
+    def woken_to_stop(self) -> bool:
+        """Read the wake-up pair: whether :meth:`wake` (not only :meth:`nudge`) was called."""
+        try:
+            return b"x" in self.wake_r.recv(4096)
+        except OSError:
+            return True
 
     def shut(self, *, goodbye: bool) -> None:
         """Close every socket; with ``goodbye``, tell the peers this rank left (not died)."""

@@ -1,14 +1,15 @@
-"""The liveness watch: a thread that reads the ring and polls the store; aborts, agrees, heals.
+"""The liveness watch: two threads, one reads the ring, one waits on the store; aborts, agrees.
 
 A :class:`LivenessWatch` is opt-in and held by the caller; while it runs, each
-process has one more thread (none before, none after). It composes the
+process has two more threads (none before, none after). It composes the
 member's :class:`~scopedmesh.fault.liveness.ring.Ring` (its sockets), its
 :class:`~scopedmesh.fault.liveness.deaths.DeathRecord`, the
 :class:`~scopedmesh.fault.liveness.guard.Guard` of the meshes it aborts, and
 the :class:`~scopedmesh.fault.liveness.agreement.Agreement` that :meth:`agree`
-runs. Every watch polls the store's death counter: **one store request per
-rank per** ``interval`` (50 a second per rank at the default 20 ms), and
-reads the short list of deaths every 25 intervals.
+runs. **An idle watch asks nothing of the store**: its second thread blocks in
+a server-side ``wait`` on its own wake key, which whoever has news for it
+sets (a death's first declarer, a stop, a decision: one ``multi_set`` for all
+the members). So a job's idle store load does not grow with its size.
 
 >>> LivenessWatch(interval=0)
 Traceback (most recent call last):
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
 from scopedmesh.c10d.nccl import check_error_handling
-from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read
+from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read, wait_timed_out
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.fault.heal import reform
 from scopedmesh.fault.liveness.agreement import Agreement
@@ -51,6 +52,7 @@ from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 __all__ = ["MAX_INTERVAL", "LivenessWatch", "check_interval", "key_names"]
 
 MAX_INTERVAL = 60.0  # seconds: an interval longer than this is a mistake, not a choice
+WAKE_WAIT = timedelta(hours=1)  # how long one server-side wait for news lasts (then again)
 
 
 def check_interval(interval: object) -> float:
@@ -111,9 +113,9 @@ class LivenessWatch:
     """Which members are alive, learned from their open sockets; aborts the meshes it guards.
 
     ``ranks`` are the members (global ranks; all of WORLD by default); every
-    member makes its watches in the same order. ``interval`` is how often the
-    store's death counter is read (one request per rank per interval), and how
-    often :meth:`agree` looks at the store. ``timeout`` bounds every wait (the
+    member makes its watches in the same order. ``interval`` is how often an
+    aborted mesh is settled and a failed ring link or store request retried
+    (nothing is polled). ``timeout`` bounds every wait (the
     successor's address at start, an agreement): a long safety net, not a
     liveness rule. ``host`` is the address this rank listens on (default: the
     one on the route to ``MASTER_ADDR``). ``store`` defaults to torch's default
@@ -148,7 +150,9 @@ class LivenessWatch:
         self.prefix = f"{WATCH_ROOT}/{self._store.add(WatchKeys.counter(self.rank), 1)}"
         self.keys = WatchKeys(self.prefix)
         self._guard = Guard()
-        self._record = DeathRecord(self.keys, self.rank, self._guard.hit, self._guard.stop)
+        self._record = DeathRecord(
+            self.keys, self.rank, self._on_deaths, self._on_stops, ranks=self.ranks
+        )
         self._events = 0
         self._tags: set[str] = set()  # the agreements this watch took part in
         self.committed = 0  # the steps (:meth:`step`) committed through this watch
@@ -168,7 +172,12 @@ class LivenessWatch:
         )
         self._ring.store = base.clone()  # the watch thread's: never behind a caller's wait
         self._ring.store.set_timeout(self._timeout)
+        self._waiting_store: Any = base.clone()  # the store thread's, blocked in its wait
+        self._waiting_store.set_timeout(self._timeout)
+        self._closing = False  # set before the store thread is woken to stop
         try:
+            for listed in (self.keys.lost, self.keys.stops):  # a wake-up reads both at once
+                self._store.append(listed, "")
             self._ring.join(self._store)
         except BaseException:
             self._ring.shut(goodbye=False)
@@ -179,7 +188,11 @@ class LivenessWatch:
         self._thread = threading.Thread(
             target=self._run, name=f"scopedmesh-liveness-{self.rank}", daemon=True
         )
+        self._waiter = threading.Thread(
+            target=self._wait_for_news, name=f"scopedmesh-liveness-store-{self.rank}", daemon=True
+        )
         self._thread.start()
+        self._waiter.start()
 
     # ------------------------------------------------------------------ queries
 
@@ -347,10 +360,11 @@ class LivenessWatch:
         )
         # Deaths as known here, never raising: a failure of the thread that it survives is
         # raised by the next query, not in the middle of an agreement this rank checked in to.
-        decision = agreement.decide(
+        decision = agreement.await_decision(
             lambda: self._record.lost,
             lambda: self._record.read(self._store),
-            interval=self._interval,
+            self._record,
+            lambda ranks: self._record.wake(self._store, ranks),
             limit=limit.total_seconds(),
             tag=tag,
         )
@@ -404,28 +418,66 @@ class LivenessWatch:
         self._ring.shut(goodbye=True)
 
     def _loop(self, selector: selectors.BaseSelector) -> None:
-        ring, seen = self._ring, 0
-        next_poll = time.monotonic()
+        """Read the ring's sockets; every ``interval`` while there is work (an aborted mesh
+        to settle, a link to retry), else on a socket or a nudge alone."""
+        ring = self._ring
         while True:
-            wait = max(0.0, next_poll - time.monotonic())
-            readable = ring.select(selector, wait)
-            if ring.wake_r in readable:
+            busy = ring.relink_due is not None or self._guard.unsettled()
+            readable = ring.select(selector, self._interval if busy else None)
+            if ring.wake_r in readable and ring.woken_to_stop():
                 return
             try:
                 for sock in readable:
-                    ring.on_readable(sock)
-                if time.monotonic() < next_poll:
-                    continue
-                next_poll = time.monotonic() + self._interval
+                    if sock is not ring.wake_r:
+                        ring.on_readable(sock)
                 self._guard.settle()
                 if ring.relink_due is not None:
                     ring.relink()
-                seen = self._record.poll(ring.store, seen)
                 if ring.succ is not None and ring.succ[0] in self._record.lost:
                     ring.relink()
             except Exception as error:  # keep watching (the store may come back); say so
                 self._report("failed while watching (it goes on)", error)
                 time.sleep(self._interval)
+
+    def _wait_for_news(self) -> None:
+        """The store thread: block on this rank's wake key (a server-side wait, no polling);
+        once woken, delete it and read the lists of deaths and stops in one request."""
+        try:
+            self._wait_on(self._waiting_store, self.keys.wake(self.rank))
+        except BaseException as error:  # the thread ends: say so in the next query
+            with self._failure_lock:
+                self._failure, self._stopped = ("stopped waiting for news", error), True
+
+    def _wait_on(self, store: Any, key: str) -> None:
+        lists = [self.keys.lost, self.keys.stops]
+        limit = WAKE_WAIT.total_seconds()
+        while not self._closing:
+            try:
+                began = time.monotonic()
+                try:
+                    store.wait([key], WAKE_WAIT)
+                except Exception as error:
+                    if wait_timed_out(error, time.monotonic() - began, limit):
+                        continue  # nothing happened for WAKE_WAIT: wait again
+                    raise
+                if self._closing:
+                    return
+                store.delete_key(key)  # before the read: news set after it wakes us again
+                deaths, stops = store.multi_get(lists)
+                self._record.take(deaths.decode(), stops.decode())
+            except Exception as error:  # keep waiting (the store may come back); say so
+                self._report("failed while waiting for news (it goes on)", error)
+                time.sleep(self._interval)
+
+    def _on_deaths(self, new: set[int]) -> None:
+        """Abort the guarded meshes the ``new`` deaths hit; the ring's thread settles them."""
+        self._guard.hit(new)
+        self._ring.nudge()
+
+    def _on_stops(self, stops: set[tuple[int, int]]) -> None:
+        """Abort the guarded meshes that hold a rank whose step raised (``(rank, attempt)``)."""
+        self._guard.stop(stops)
+        self._ring.nudge()
 
     def _report(self, what: str, error: BaseException) -> None:
         """Record a failure the thread survives, for the next query."""
@@ -492,8 +544,14 @@ class LivenessWatch:
             if self._stepped:
                 self._leave_count()
             store.delete_key(self.keys.addr(self.rank))  # a late connector sees "left"
+        self._closing = True
+        with contextlib.suppress(Exception):
+            store.set(self.keys.wake(self.rank), "closing")  # the store thread stops
         self._ring.wake()
         self._thread.join(_time_left(deadline).total_seconds())
+        self._waiter.join(_time_left(deadline).total_seconds())
+        with contextlib.suppress(Exception):
+            store.delete_key(self.keys.wake(self.rank))
         if self._stopped:  # the thread crashed and left the sockets open: leave cleanly
             self._ring.shut(goodbye=True)
         self._guard.release(self)
@@ -501,7 +559,7 @@ class LivenessWatch:
             store.set_timeout(_time_left(deadline))
             self._clean_up()
         finally:
-            self._store = self._ring.store = None  # closes both connections
+            self._store = self._ring.store = self._waiting_store = None  # closes the connections
 
     def _leave_count(self) -> None:
         """Check in to the agreement this rank would take part in next, with its count of
@@ -517,10 +575,12 @@ class LivenessWatch:
     def _clean_up(self) -> None:
         """The last member to close (the lost ones never will) deletes the watch's keys.
 
-        Only the keys written, each once: the two counters, the lists of deaths
-        and tags if written, each agreement's three keys (its tag appears once
-        per member on the list: counted once), and the dead members' addresses
-        (the others deleted their own). O(keys written), never O(members x tags).
+        Only the keys written, each once: the counter, the lists of deaths,
+        stops and tags, each agreement's keys (its tag appears once per member on
+        the list: counted once; a claim per dead member), the dead members'
+        addresses (the others deleted their own), every member's wake key (a
+        wake-up may have re-made a closed member's) and the dead members'
+        declaration counts. O(keys written), never O(members x tags).
         """
         store, keys = self._store, self.keys
         closed = int(store.add(keys.closed, 1))
@@ -529,16 +589,12 @@ class LivenessWatch:
         if closed + len(dead) < len(self.ranks):
             return
         tags = read(store, keys.tags)
-        doomed = [keys.closed, keys.deaths]
-        stops = read(store, keys.stops)
-        doomed += [
-            key
-            for key, text in ((keys.lost, deaths), (keys.tags, tags), (keys.stops, stops))
-            if text is not None
-        ]
+        doomed = [keys.closed, keys.lost, keys.stops]
+        doomed += [keys.tags] if tags is not None else []
         for tag in dict.fromkeys(tag for tag in (tags or "").split("\n") if tag):
-            doomed += keys.agreement(tag).all()
-        doomed += [keys.addr(rank) for rank in dead]
+            doomed += keys.agreement(tag).all(dead)
+        doomed += [keys.addr(rank) for rank in dead] + [keys.declared(rank) for rank in dead]
+        doomed += [keys.wake(rank) for rank in self.ranks]
         for key in doomed:
             store.delete_key(key)
 
