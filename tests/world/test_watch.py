@@ -416,15 +416,23 @@ def test_a_failure_of_the_watch_thread_surfaces_in_the_next_query(one_rank: Any)
     from scopedmesh import LivenessWatch
 
     with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
-        faulty = _workers_watch.FailingStore(watch._ring.store, "add", 10**9)
+        faulty = _workers_watch.FailingStore(watch._waiting_store, "delete_key", 1)
         faulty.armed = True
-        watch._ring.store = faulty
+        watch._waiting_store = faulty
+        watch._store.set(watch.keys.wake(watch.rank), "1")  # news: the store thread wakes
         deadline = time.monotonic() + 10
         while watch._failure is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        with pytest.raises(RuntimeError, match=r"its thread failed while watching .* injected"):
+        match = r"its thread failed while waiting for news \(it goes on\): .* injected"
+        with pytest.raises(RuntimeError, match=match):
             watch.lost()
-        watch._ring.store = faulty.store
+        watch._store.set(watch.keys.wake(watch.rank), "1")  # it goes on: it wakes again
+        deadline = time.monotonic() + 10
+        while watch._store.check([watch.keys.wake(watch.rank)]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not watch._store.check([watch.keys.wake(watch.rank)])
+        assert watch.lost() == frozenset()  # reported once
+        watch._waiting_store = faulty.store
 
 
 def test_guard_warns_once_where_groups_cannot_be_closed(

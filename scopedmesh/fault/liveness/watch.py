@@ -443,25 +443,26 @@ class LivenessWatch:
         """The store thread: block on this rank's wake key (a server-side wait, no polling);
         once woken, delete it and read the lists of deaths and stops in one request."""
         try:
-            self._wait_on(self._waiting_store, self.keys.wake(self.rank))
+            self._wait_on(self.keys.wake(self.rank))
         except BaseException as error:  # the thread ends: say so in the next query
             with self._failure_lock:
                 self._failure, self._stopped = ("stopped waiting for news", error), True
 
-    def _wait_on(self, store: Any, key: str) -> None:
+    def _wait_on(self, key: str) -> None:
         lists = [self.keys.lost, self.keys.stops]
         limit = WAKE_WAIT.total_seconds()
         while not self._closing:
             try:
                 began = time.monotonic()
                 try:
-                    store.wait([key], WAKE_WAIT)
+                    self._waiting_store.wait([key], WAKE_WAIT)
                 except Exception as error:
                     if wait_timed_out(error, time.monotonic() - began, limit):
                         continue  # nothing happened for WAKE_WAIT: wait again
                     raise
                 if self._closing:
                     return
+                store = self._waiting_store  # read anew: a test may swap it while we wait
                 store.delete_key(key)  # before the read: news set after it wakes us again
                 deaths, stops = store.multi_get(lists)
                 self._record.take(deaths.decode(), stops.decode())
