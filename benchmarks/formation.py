@@ -45,7 +45,10 @@ docs/healing.md "The 5 s outliers").
   timeout: the fast path, exact. The run at the default grace (printed second)
   shows what a spread of arrivals costs.
 
-Each member's own thread holds its counter: no count is shared between threads.
+Each member's own thread holds its counter: no count is shared between threads. One
+branch differs from a process per member, with no request either way: seeing 1,025
+threads, each formation asks to clone the store client (``StoreUse``); the counting
+store cannot clone, so the formation shares it, as a member alone in its process does.
 """
 
 from __future__ import annotations
