@@ -410,6 +410,11 @@ class ReplicaKeys:
         return f"{self.root}/finished"
 
     @property
+    def step(self) -> str:
+        """The job's agreed steps, as its source last reported them (``job_view``)."""
+        return f"{self.root}/step"
+
+    @property
     def cleaned(self) -> str:
         """The epochs below this one have no key left."""
         return f"{self.root}/cleaned"
