@@ -150,8 +150,9 @@ class DeviceGroup:
         self.departed, self._timeout = departed, timeout
         self.aborted = False
 
-    def allreduce(self, tensors: Sequence[torch.Tensor], options: Any) -> _Handle:
+    def allreduce(self, tensors: Sequence[torch.Tensor], options: Any = None) -> _Handle:
         staged, back = self._stage(tensors, copy_in=True)
+        options = dist.AllreduceOptions() if options is None else options  # a sum
         return self._issue("an all-reduce", lambda: self.pg.allreduce(staged, options), back)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], options: Any) -> _Handle:

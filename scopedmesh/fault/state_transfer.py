@@ -409,7 +409,7 @@ def _take(
     plan: Plan,
     state: Mapping[str, Stateful],
     transport: Callable[[torch.Tensor, int], Any],
-    device: torch.device,
+    device: torch.device = _CPU,
 ) -> int:
     """Receive each tensor of ``plan`` with ``transport(view, index)`` (a posted
     operation on a group whose tensors live on ``device``), then load; return the

@@ -105,9 +105,17 @@ def digest(state: dict[str, Any]) -> str:
 
 
 def train(
-    replica: int, coordinate: int, job_port: int, replicas: int, steps: int, pace: float
+    replica: int,
+    coordinate: int,
+    job_port: int,
+    replicas: int,
+    steps: int,
+    pace: float,
+    backend: str = "gloo",
+    finish: bool = False,
 ) -> dict[str, Any]:
-    """One rank of one replica: join (or rejoin), train ``steps`` steps, report."""
+    """One rank of one replica: join (or rejoin), train ``steps`` steps, report. With
+    ``finish``, the job ends by ``Replicas.finish`` (else each replica leaves its loop)."""
     started = time.time()
     if os.environ.get("GROW_DEBUG"):
         import faulthandler
@@ -125,7 +133,9 @@ def train(
     inside_sums: set[float] = set()  # what the replica's own scoped mesh summed, every step
     skipped = 0  # steps this rank skipped while catching up
     with (
-        Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow,
+        Replicas(
+            store, replica=replica, replicas=replicas, state=state, timeout=60, backend=backend
+        ) as grow,
         ProcessGroupMesh(local, names=("tp",), timeout=60) as inside,  # the replica's WORLD
     ):
         tp = inside.get_group_along_axis("tp")
@@ -135,7 +145,9 @@ def train(
             whole = decision.size == replicas and bool(progress.history)
             whole = whole and len(progress.history[-1][1]) == replicas
             if not _going(store, progress.step, steps, whole):
-                break
+                if not finish or grow.finish():
+                    break
+                continue
             _debug(
                 f"r{replica}c{coordinate} step {progress.step} epoch {decision.epoch} {decision.replicas}"
             )
@@ -185,7 +197,37 @@ def train(
             "samples": samples,
             "skipped": skipped,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "step": grow.step,
+            "pointers": _pointers(model, optim),
         }
+    return result
+
+
+def _pointers(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[int]:
+    """The storage addresses of the registered tensors (parameters, optimizer state)."""
+    tensors = list(model.state_dict().values())
+    for per_parameter in optim.state.values():
+        tensors += [v for v in per_parameter.values() if isinstance(v, torch.Tensor)]
+    return sorted(t.data_ptr() for t in tensors)
+
+
+def train_on_nccl_stand_in(
+    replica: int, coordinate: int, job_port: int, replicas: int, steps: int, pace: float
+) -> dict[str, Any]:
+    """:func:`train` with ``backend="nccl"``, ``ProcessGroupNCCL`` replaced by the CPU
+    stand-in (tests/world/_nccl_double.py) and the dp groups' device by the CPU; the
+    stand-in's records join the report."""
+    import _nccl_double
+
+    from scopedmesh.fault import dp_groups
+
+    events: list[tuple[Any, ...]] = []
+    dist.ProcessGroupNCCL = _nccl_double.nccl_stand_in(events)  # type: ignore[misc]
+    dist.is_nccl_available = lambda: True
+    dp_groups.nccl_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # else Replicas refuses NCCL
+    result = train(replica, coordinate, job_port, replicas, steps, pace, "nccl", True)
+    result["events"] = list(events)
     return result
 
 
