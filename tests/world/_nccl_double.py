@@ -177,25 +177,27 @@ class StandInOptions:
 
 
 class StandInWork:
-    """One operation of the stand-in: done once its gloo operation succeeded. One whose
+    """One operation of the stand-in: done once its gloo operation succeeded (a thread
+    waits for it: gloo's send and receive complete only inside ``wait``). One whose
     peer died or dropped the group never completes (NCCL's kernel waits for the peer)
     until the stand-in is aborted; then it looks done (``wait`` returns normally), as a
     collective an abort cut short does on NCCL."""
 
     def __init__(self, inner: Any, aborted: threading.Event) -> None:
-        self._inner, self._aborted = inner, aborted
-        self._ok: bool | None = None
+        self._aborted = aborted
+        self._ok = threading.Event()
+
+        def wait() -> None:
+            try:
+                inner.wait()
+            except RuntimeError:  # the peer is gone: on NCCL nothing would complete
+                return
+            self._ok.set()
+
+        threading.Thread(target=wait, name="stand-in-work", daemon=True).start()
 
     def is_completed(self) -> bool:
-        if self._aborted.is_set():
-            return True
-        if self._ok is None and self._inner.is_completed():
-            try:
-                self._inner.wait()
-                self._ok = True
-            except RuntimeError:  # the peer is gone: on NCCL nothing would complete
-                self._ok = False
-        return self._ok is True
+        return self._aborted.is_set() or self._ok.is_set()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         deadline = time.monotonic() + 60.0

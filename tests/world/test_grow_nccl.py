@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scopedmesh import job_view
-from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.fault import dp_groups
 from scopedmesh.fault.state_transfer import CollectiveFailed, broadcast_state
 from scopedmesh.fault.verdict import max_options
-from scopedmesh.testing.replicas import ReplicaJob
 
 REPLICAS = 2
 BOUND = 120.0  # seconds: a never-hang bound for the job, not a performance figure
@@ -113,12 +109,12 @@ def test_the_backend_is_checked_before_anything_is_written() -> None:
     model = torch.nn.Linear(1, 1)
     with pytest.raises(TypeError, match="backend must be a str, 'gloo' or 'nccl', got 3"):
         Replicas(store, replica=0, replicas=1, state={"m": model}, backend=3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl' .* got 'mpi'"):
+    with pytest.raises(ValueError, match=r"backend must be 'gloo' or 'nccl' .* got 'mpi'"):
         Replicas(store, replica=0, replicas=1, state={"m": model}, backend="mpi")
     if not dist.is_nccl_available():
         with pytest.raises(ValueError, match=r"backend='nccl' needs a torch built with NCCL"):
             Replicas(store, replica=0, replicas=1, state={"m": model}, backend="nccl")
-    with pytest.raises(ValueError, match="must not register the name 'scopedmesh.step'"):
+    with pytest.raises(ValueError, match=r"must not register the name 'scopedmesh\.step'"):
         Replicas(store, replica=0, replicas=1, state={"scopedmesh.step": model})
     assert store.num_keys() == 0
 
@@ -143,21 +139,6 @@ def test_nccl_refuses_a_watchdog_that_would_end_the_survivors(
 # ------------------------------------------------------------------ a job, from outside
 
 
-def _until(job: ReplicaJob, what: str, condition: Any, deadline: float) -> None:
-    while not condition():
-        job.poll()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited for {what}; failures: {job.failures[-2:]}")
-        time.sleep(0.01)
-
-
-def _whole(job: ReplicaJob, victim: int, token: str | None) -> bool:
-    view = job_view(job.store)
-    if view is None or view.decision.size != REPLICAS:
-        return False
-    return token is None or view.decision.token(victim) != token
-
-
 def test_a_killed_replica_rejoins_over_nccl_groups_formed_afresh_and_ends_equal() -> None:
     """2 replicas on the NCCL path (the stand-in). Replica 1 is SIGKILLed at a random
     moment once the job has trained; the survivor, blocked on a communicator whose peer
@@ -165,30 +146,10 @@ def test_a_killed_replica_rejoins_over_nccl_groups_formed_afresh_and_ends_equal(
     and catches up from the survivor's own tensors. Every group formed by its own init
     over its epoch's store; every replica ends with the same state, equal to a
     one-process replay; the job's step reaches job_view and travels with the state."""
-    job = ReplicaJob(
-        workers.train_on_nccl_stand_in,
-        replicas=REPLICAS,
-        local=1,
-        args=(REPLICAS, -1, 0.01),
-        max_restarts=2,
+    results, final, restarts = workers.kill_and_rejoin(
+        workers.train_on_nccl_stand_in, REPLICAS, BOUND
     )
-    job.start()
-    deadline = time.monotonic() + BOUND
-    try:
-        _until(job, "the full shape", lambda: _whole(job, 1, None), deadline)
-        _until(job, "a few steps", lambda: int(read(job.store, workers.STEP) or 0) >= 5, deadline)
-        view = job_view(job.store)
-        assert view is not None
-        token = view.decision.token(1)
-        time.sleep(torch.rand(()).item() * 0.2)  # a random moment: a collective, a sleep
-        assert job.kill(1, 0) is not None
-        _until(job, "the full shape again", lambda: _whole(job, 1, token), deadline)
-        job.store.set(workers.STOP, str(int(read(job.store, workers.STEP) or 0) + 5))
-        _until(job, "every replica to finish", lambda: job.done, deadline)
-        results, final = job.results, job_view(job.store)
-    finally:
-        job.stop()
-    assert [r for r, _ in job.restarts] == [1]
+    assert restarts == [1]
     survivor, joiner = results[(0, 0)], results[(1, 0)]
     history = survivor["history"]
     assert joiner["digest"] == survivor["digest"] and joiner["history"] == history
@@ -208,6 +169,3 @@ def test_a_killed_replica_rejoins_over_nccl_groups_formed_afresh_and_ends_equal(
     # The job's step: the same count on both (it travelled with the state), in the view.
     assert survivor["step"] == joiner["step"] == len(history)
     assert final is not None and final.finished and final.step == len(history)
-    keys = ReplicaKeys()
-    assert read(job.store, keys.step) == str(len(history))
-
