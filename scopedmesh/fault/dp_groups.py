@@ -58,6 +58,7 @@ __all__ = [
     "CHECK_EVERY",
     "DeviceGroup",
     "Drops",
+    "catch_up_peers",
     "check_backend",
     "departures",
     "form_group",
@@ -258,20 +259,39 @@ class _Handle:
         return True
 
 
+def catch_up_peers(decision: Decision, replica: int) -> list[int]:
+    """The dp ranks ``replica`` exchanges state with point to point in ``decision``'s
+    catch-up: the source sends to each fresh joiner, a fresh joiner receives from it.
+
+    >>> d = Decision(5, ((0, "a"), (1, "b"), (2, "c")), source=0, joins=4, fresh=(2,))
+    >>> catch_up_peers(d, 0), catch_up_peers(d, 1), catch_up_peers(d, 2)
+    ([2], [], [0])
+    """
+    if replica == decision.source:
+        return [decision.index(r) for r in decision.fresh]
+    if replica in decision.fresh:
+        return [decision.index(decision.source)]
+    return []
+
+
 def form_group(
     backend: str,
     store: Any,
-    prefix: str,
-    index: int,
-    size: int,
+    keys: ReplicaKeys,
+    probes: SlotProbes,
+    decision: Decision,
+    replica: int,
+    coordinate: int,
     *,
     form_timeout: float,
     timeout: float,
-    departed: Callable[[], str | None],
 ) -> Any | None:
-    """The dp group of member ``index`` of ``size``, formed by its own init over ``store``
-    under ``prefix``; None if it could not form (a peer died or left; heal)."""
-    prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]  # public; not in torch's stub exports
+    """``replica``'s dp group of ``decision`` along ``coordinate``, formed by its own init
+    over ``store`` under the epoch's prefix; None if it could not form (a peer died or
+    left: heal). On NCCL the communicators the epoch will use are all connected here:
+    the group's, and the catch-up's pairs (:func:`catch_up_peers`)."""
+    prefixed = dist.PrefixStore(keys.group(decision.epoch, coordinate), store)  # type: ignore[attr-defined]  # public; not in torch's stub exports
+    index, size = decision.index(replica), decision.size
     if backend == "gloo":
         try:
             gloo = dist.ProcessGroupGloo(prefixed, index, size, timedelta(seconds=form_timeout))
@@ -280,27 +300,39 @@ def form_group(
         gloo.set_timeout(timedelta(seconds=timeout))
         return gloo
     device = nccl_device()
+    departed = departures(probes, store, keys, decision, replica, coordinate)
     # torch's defaults (its watchdog's timeout is 10 min: the waits here end sooner).
     nccl = dist.ProcessGroupNCCL(prefixed, index, size, dist.ProcessGroupNCCL.Options())
     group = DeviceGroup(nccl, device, departed, timeout)
-    return group if _connect(group, form_timeout) else None
+    peers = catch_up_peers(decision, replica)
+    return group if _connect(group, form_timeout, peers, replica == decision.source) else None
 
 
-def _connect(group: DeviceGroup, form_timeout: float) -> bool:
-    """Connect ``group``'s communicator now (``eager_connect_single_device``), on a helper
-    thread: a dead or departed peer, or ``form_timeout``, aborts it (False).
+def _connect(group: DeviceGroup, form_timeout: float, peers: list[int], source: bool) -> bool:
+    """Connect ``group``'s communicators now, on a helper thread: its own
+    (``eager_connect_single_device``), then, by one byte each way from the ``source``
+    to each of ``peers``, the pairs torch's point-to-point operations use. A dead or
+    departed peer, or ``form_timeout``, aborts the group (False).
 
-    Lazily, NCCL would connect inside the epoch's first collective, on the loop's
-    thread, where nothing could stop a wait for a dead peer.
+    Lazily, NCCL would connect inside the epoch's first collective or the catch-up's
+    first send, on the loop's thread, where nothing could stop a wait for a dead
+    peer; at an admission this runs while the survivors finish their step.
     """
     connect = getattr(group.pg, "eager_connect_single_device", None)
-    if connect is None:
-        return True
     outcome: list[BaseException | None] = []
 
     def run() -> None:
         try:
-            connect(group.wire_device)
+            if connect is not None:
+                connect(group.wire_device)
+            byte = torch.zeros(1, dtype=torch.uint8, device=group.wire_device)
+            for peer in peers:  # the loop below watches the peers, and aborts
+                work = group.pg.send([byte], peer, 0) if source else group.pg.recv([byte], peer, 0)
+                while not work.is_completed():
+                    time.sleep(_SPIN_MAX)
+                if group.aborted:
+                    raise CollectiveFailed(f"the first exchange with {peer} was aborted")
+                work.wait()
             outcome.append(None)
         except BaseException as error:  # reported below, on the caller's thread
             outcome.append(error)

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import JobFinishedError, LostRankError, StepError, shown
-from scopedmesh.fault.dp_groups import Drops, check_backend, departures, form_group
+from scopedmesh.fault.dp_groups import Drops, check_backend, form_group
 from scopedmesh.fault.membership import Decision, propose
 from scopedmesh.fault.probes import SlotProbes
 from scopedmesh.fault.records import Records, with_step
@@ -542,10 +542,9 @@ class Replicas:
                     deadline,
                     f"replicas {waiting} to form epoch {epoch} along coordinate {self.coordinate}",
                 )
-        departed = departures(self._probes, store, keys, decision, self.replica, self.coordinate)
         self._pg = form_group(
-            self.backend, store, keys.group(epoch, self.coordinate), decision.index(self.replica),
-            decision.size, form_timeout=self._form_timeout, timeout=self._timeout, departed=departed,
+            self.backend, store, keys, self._probes, decision, self.replica, self.coordinate,
+            form_timeout=self._form_timeout, timeout=self._timeout,
         )  # fmt: skip
         return self._pg is not None
 

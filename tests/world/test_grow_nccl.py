@@ -43,7 +43,9 @@ def _pair(events: list[tuple[Any, ...]]) -> list[dp_groups.DeviceGroup]:
     def form(member: int) -> None:
         pg = cls(dist.PrefixStore("dp", store), member, 2, cls.Options())  # type: ignore[attr-defined]
         group = dp_groups.DeviceGroup(pg, torch.device("cpu"), lambda: None, 30.0)
-        groups[member] = group if dp_groups._connect(group, 30.0) else None
+        groups[member] = (
+            group if dp_groups._connect(group, 30.0, [1 - member], member == 0) else None
+        )
 
     threads = [threading.Thread(target=form, args=(m,)) for m in range(2)]
     for thread in threads:
