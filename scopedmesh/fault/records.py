@@ -137,6 +137,12 @@ class Records:
             for c in range(self.local)
             for m in range(decision.size)
         ]
+        source = decision.index(decision.source)
+        for c in range(self.local):  # an NCCL group's ids: its own, the catch-up's pairs
+            formed.append(keys.nccl_id(decision.epoch, c))
+            formed += [
+                keys.nccl_id(decision.epoch, c, (source, decision.index(r))) for r in decision.fresh
+            ]
         for key in formed:  # every member formed; its check-ins may still come
             store.delete_key(key)
         store.set(keys.cleaned, str(decision.epoch))  # its decision and check-ins stay

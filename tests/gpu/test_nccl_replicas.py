@@ -21,11 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "world"))
 
-import _workers_grow as grow  # noqa: E402
+import _workers_grow as grow
+
+from scopedmesh.c10d.store import ReplicaKeys, read
 
 
 def test_a_killed_replica_rejoins_over_nccl_and_every_replica_ends_equal() -> None:
-    results, final, restarts = grow.kill_and_rejoin(workers.replicas_rank, 2, 240.0)
+    results, final, restarts, store = grow.kill_and_rejoin(workers.replicas_rank, 2, 240.0)
     assert restarts == [1]
     survivor, joiner = results[(0, 0)], results[(1, 0)]
     history = survivor["history"]
@@ -43,4 +45,8 @@ def test_a_killed_replica_rejoins_over_nccl_and_every_replica_ends_equal() -> No
     assert received and all(nbytes > 0 for _, _, nbytes, _ in received), joiner["transfers"]
     assert survivor["step"] == joiner["step"] == len(history)
     assert final is not None and final.finished and final.step == len(history)
+    # Each epoch's clean-up deleted the ids torch's ProcessGroupNCCL put in the store.
+    keys = ReplicaKeys()
+    left = [keys.nccl_id(e, 0) for e in range(final.epoch + 1)]
+    assert [k for k in left if read(store, k) is not None] == []
     print("transfers (epoch, role, bytes, s):", survivor["transfers"], joiner["transfers"])

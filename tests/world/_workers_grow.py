@@ -245,11 +245,12 @@ def train_on_nccl_stand_in(
     return result
 
 
-def kill_and_rejoin(fn: Any, replicas: int, bound: float) -> tuple[Any, Any, list[int]]:
+def kill_and_rejoin(fn: Any, replicas: int, bound: float) -> tuple[Any, Any, list[int], Any]:
     """Launcher's side: ``replicas`` replicas of one rank run ``fn`` (``train`` with
     ``steps=-1`` and ``finish``); once the job trained 5 steps, replica 1 is SIGKILLed at
     a random moment and restarted at once; 5 steps after the job is whole again it
-    finishes. Returns the results, the final job view, and the replicas restarted."""
+    finishes. Returns the results, the final job view, the replicas restarted, and the
+    job's store (its server lives on in this process)."""
     from scopedmesh import job_view
     from scopedmesh.testing.replicas import ReplicaJob
 
@@ -283,7 +284,7 @@ def kill_and_rejoin(fn: Any, replicas: int, bound: float) -> tuple[Any, Any, lis
         until("the full shape again", lambda: whole(token))
         job.store.set(STOP, str(int(read(job.store, STEP) or 0) + 5))
         until("every replica to finish", lambda: job.done)
-        return job.results, job_view(job.store), [r for r, _ in job.restarts]
+        return job.results, job_view(job.store), [r for r, _ in job.restarts], job.store
     finally:
         job.stop()
 

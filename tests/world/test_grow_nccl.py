@@ -148,7 +148,7 @@ def test_a_killed_replica_rejoins_over_nccl_groups_formed_afresh_and_ends_equal(
     and catches up from the survivor's own tensors. Every group formed by its own init
     over its epoch's store; every replica ends with the same state, equal to a
     one-process replay; the job's step reaches job_view and travels with the state."""
-    results, final, restarts = workers.kill_and_rejoin(
+    results, final, restarts, _ = workers.kill_and_rejoin(
         workers.train_on_nccl_stand_in, REPLICAS, BOUND
     )
     assert restarts == [1]
