@@ -80,6 +80,45 @@ def test_a_wait_on_a_peer_that_never_comes_aborts_once_it_is_found_gone() -> Non
         zero.allreduce([flags], max_options())
 
 
+def test_a_formation_whose_peer_never_comes_is_aborted_once_it_is_found_gone() -> None:
+    """Member 1 never forms: member 0's connection (its init on a helper thread, which on
+    NCCL nothing could interrupt) is given up once the peer is found gone, well before
+    form_timeout, and its communicator aborted: the epoch heals instead of hanging."""
+    events: list[tuple[Any, ...]] = []
+    cls = _nccl_double.nccl_stand_in(events)
+    pg = cls(dist.PrefixStore("dp", dist.HashStore()), 0, 2, cls.Options())  # type: ignore[attr-defined]
+    asked: list[int] = []
+
+    def departed() -> str | None:
+        asked.append(1)
+        return None if len(asked) < 2 else "replicas [1] (coordinate 0) of epoch 2 died"
+
+    group = dp_groups.DeviceGroup(pg, torch.device("cpu"), departed, 30.0)
+    assert dp_groups._connect(group, 600.0, [1], True) is False
+    assert len(asked) == 2 and group.aborted
+    assert [e[0] for e in events] == ["abort"]
+
+
+def test_a_peer_that_left_the_epoch_alive_counts_as_departed() -> None:
+    """departures(): a peer whose listener still answers but that checked in to heal (it
+    left the epoch after a failure of its own) is a reason to abort, as a dead one is."""
+    from scopedmesh.c10d.store import ReplicaKeys
+    from scopedmesh.fault.membership import Decision
+    from scopedmesh.fault.probes import SlotProbes
+
+    store, keys = dist.HashStore(), ReplicaKeys()  # type: ignore[attr-defined]
+    probes = SlotProbes(store, keys, "127.0.0.1")
+    try:
+        decision = Decision(4, ((0, "a"), (1, "b")), 0, 2)
+        store.set(keys.address(1, 0, "b"), probes.address)  # replica 1 answers: alive
+        check = dp_groups.departures(probes, store, keys, decision, 0, 0)
+        assert check() is None
+        store.set(keys.checked_in(4, 1, 0), "1")
+        assert check() == "replicas [1] (coordinate 0) left epoch 4 to heal"
+    finally:
+        probes.close()
+
+
 def test_state_on_the_groups_device_goes_out_as_it_is() -> None:
     """broadcast_state over the NCCL path: every tensor on the group's device leaves
     from its own storage (no staging copy), the receiver's tensors land equal."""
