@@ -1,5 +1,12 @@
 """Grow back, measured: ``python -m benchmarks.grow [--replicas 4 --local 1 --kills 5]``.
 
+``--backend nccl`` (a GPU host): the dp groups on NCCL, the weights and gradients
+on each rank's GPU (two replicas on one GPU present a host id each:
+``benchmarks.heal_nccl.place``); the catch-up sends the source's CUDA tensors
+straight over NCCL. ``--backend gloo --device cuda``: the same CUDA state over
+gloo, each tensor staged through host memory: the transfer column of the two
+runs compares the two paths.
+
 A :class:`~scopedmesh.testing.replicas.ReplicaJob` (the job's store in this
 process, each replica its own gloo world, restarted when one of its ranks dies)
 trains with :class:`~scopedmesh.fault.replicas.Replicas`: a 4 MiB all-reduce per
@@ -41,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.heal_nccl import RANK_ENV, place
 from scopedmesh import Decision, job_view
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.fault.replicas import Replicas
@@ -62,17 +70,29 @@ class Progress:
 
 
 def rank_main(
-    replica: int, coordinate: int, port: int, replicas: int, numel: int, pace: float
+    replica: int,
+    coordinate: int,
+    port: int,
+    replicas: int,
+    numel: int,
+    pace: float,
+    backend: str = "gloo",
+    device_type: str = "cpu",
 ) -> dict[str, Any]:
     """One rank: train until the launcher's stop step; report agreed steps' end times."""
     started = time.time()
     torch.set_num_threads(1)  # as benchmarks/grow_torchft.py's replicas: the same workload
+    device = torch.device("cpu")
+    if device_type == "cuda":  # this slot's GPU and, on one GPU, its own NCCL host id
+        device = place(replica * dist.get_world_size() + coordinate)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
-    weights = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
+    weights = torch.nn.Parameter(torch.zeros(numel, device=device), requires_grad=False)
     progress = Progress()  # no torch.optim: its first step imports torch._dynamo (seconds)
     state = {"weights": torch.nn.ParameterList([weights]), "progress": progress}
     commits: list[tuple[float, int, int, int]] = []  # (time, epoch, size, contributors)
-    with Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow:
+    with Replicas(
+        store, replica=replica, replicas=replicas, state=state, timeout=60, backend=backend
+    ) as grow:
         while True:
             stop = read(store, STOP)
             if stop is not None and progress.step >= int(stop) and grow.size == replicas:
@@ -114,14 +134,21 @@ def _wait(job: ReplicaJob, condition: Any, limit: float, what: str) -> None:
 
 
 def run(
-    replicas: int, local: int, kills: int, numel: int, pace: float, delay: float
+    replicas: int,
+    local: int,
+    kills: int,
+    numel: int,
+    pace: float,
+    delay: float,
+    backend: str = "gloo",
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Start the job, kill ``kills`` times (each once the job is whole), collect reports."""
     job = ReplicaJob(
         rank_main,
         replicas=replicas,
         local=local,
-        args=(replicas, numel, pace),
+        args=(replicas, numel, pace, backend, device),
         restart_delay=delay,
         max_restarts=kills + 2,  # every kill restarts a replica
     )
@@ -201,6 +228,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--restart-delay", type=float, default=1.0, help="seconds from a death to the restart"
     )
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), default="gloo", help="the dp groups' backend"
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where the state lives (nccl: cuda; gloo: cpu)"
+    )
     return parser
 
 
@@ -210,17 +243,36 @@ def main(given: argparse.Namespace | None = None) -> int:
     args = parser().parse_args() if given is None else parser().parse_args([])
     if given is not None and given.kills is not None:
         args.kills = given.kills
+    device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    if args.backend == "nccl" and device != "cuda":
+        raise SystemExit("grow: --backend nccl needs --device cuda (NCCL takes CUDA tensors)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("grow: --device cuda (and --backend nccl) needs a GPU; torch sees none")
+    if device == "cuda":  # before any rank starts: torch reads it when it makes a communicator
+        for name, value in RANK_ENV.items():
+            os.environ.setdefault(name, value)
     load = os.getloadavg()
     print(
-        f"grow: {args.replicas} replicas x {args.local} ranks, gloo, "
+        f"grow: {args.replicas} replicas x {args.local} ranks, {args.backend} on {device}, "
         f"{args.numel * 4 / 2**20:g} MiB all_reduce per step, {args.kills} kills, "
         f"restart {args.restart_delay:g} s after a death; "
         f"load {load[0]:.1f}/{load[1]:.1f}"
     )
-    rows = run(args.replicas, args.local, args.kills, args.numel, args.pace, args.restart_delay)
+    rows = run(
+        args.replicas,
+        args.local,
+        args.kills,
+        args.numel,
+        args.pace,
+        args.restart_delay,
+        args.backend,
+        device,
+    )
     print("kill  death->reduced  start->full (in fn, admitted)  stall over median  transfer")
     for i, row in enumerate(rows, 1):
         nbytes = "n/a" if row["bytes"] is None else f"{row['bytes'] / 2**20:.2f} MiB"
+        if row["bytes"] is not None and row["transfer_s"]:
+            nbytes += f" ({row['bytes'] / row['transfer_s'] / 2**30:.2f} GiB/s)"
         print(
             f"{i:4}  {_fmt(row['death_to_reduced'])}  {_fmt(row['start_to_full'])} "
             f"({_fmt(row['fn_to_full'])}, {_fmt(row['admitted'])})  {_fmt(row['stall'])} (median step "

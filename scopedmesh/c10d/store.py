@@ -425,6 +425,11 @@ class ReplicaKeys:
         return f"{self.root}/finished"
 
     @property
+    def step(self) -> str:
+        """The job's agreed steps, as its source last reported them (``job_view``)."""
+        return f"{self.root}/step"
+
+    @property
     def cleaned(self) -> str:
         """The epochs below this one have no key left."""
         return f"{self.root}/cleaned"
@@ -460,11 +465,27 @@ class ReplicaKeys:
         """
         return f"{self.group(epoch, coordinate)}/0/{member}"
 
+    def nccl_id(self, epoch: int, coordinate: int, pair: tuple[int, int] | None = None) -> str:
+        """Where torch's ``ProcessGroupNCCL`` of that group put a communicator's unique id:
+        its collective communicator's (``0``, the first it makes), or a point-to-point
+        pair's (``low:high``, its members' ranks in the group).
+
+        torch's own layout (``broadcastUniqueNCCLID``); tests/gpu/test_nccl_replicas.py
+        checks that the clean-up leaves none of an older epoch.
+
+        >>> ReplicaKeys().nccl_id(3, 1), ReplicaKeys().nccl_id(3, 1, (2, 0))
+        ('scopedmesh-replicas/epoch/3/dp1/0', 'scopedmesh-replicas/epoch/3/dp1/0:2')
+        """
+        name = "0" if pair is None else f"{min(pair)}:{max(pair)}"
+        return f"{self.group(epoch, coordinate)}/{name}"
+
     def epoch_keys(self, epoch: int, replicas: int, local: int) -> list[str]:
-        """Every key ``epoch`` can leave, for ``replicas`` replicas of ``local`` slots."""
+        """Every key ``epoch`` can leave, for ``replicas`` replicas of ``local`` slots (but
+        for NCCL's point-to-point pairs: the epoch's clean-up deletes those)."""
         slots = [(r, c) for r in range(replicas) for c in range(local)]
         keys = [self.decision(epoch)]
         keys += [self.checked_in(epoch, r, c) for r, c in slots]
         keys += [self.ready(epoch, r, c) for r, c in slots]
         keys += [self.gloo_address(epoch, c, m) for c in range(local) for m in range(replicas)]
+        keys += [self.nccl_id(epoch, c) for c in range(local)]
         return keys

@@ -1,5 +1,6 @@
 """A replicated job's membership records in its store: who announced itself, each
-epoch's decision (written once), and the clean-up of what older epochs left.
+epoch's decision (written once), the clean-up of what older epochs left, and the
+job's step as a launcher reads it (:func:`job_view`).
 
 One :class:`Records` per slot, over the job's store; what the records mean
 (:class:`~scopedmesh.fault.membership.Decision`, :func:`~scopedmesh.fault.membership.propose`)
@@ -15,6 +16,8 @@ is pure and lives in :mod:`~scopedmesh.fault.membership`.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +25,42 @@ from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.fault.membership import Decision, complete_joiners
 from scopedmesh.fault.probes import SlotProbes
 
-__all__ = ["JobView", "Records", "job_view"]
+__all__ = ["REPORT_EVERY", "STEP_NAME", "JobView", "Records", "StepCount", "job_view", "with_step"]
+
+STEP_NAME = "scopedmesh.step"  # the registered state's name for the job's step count
+REPORT_EVERY = 1.0  # seconds: the source writes the step at most this often between epochs
+
+
+class StepCount:
+    """The job's agreed steps, registered with the replica's state under :data:`STEP_NAME`,
+    so that it travels with the state: a joiner (or, after a heal, every member) holds
+    the source's count, the one that matches the weights it received."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.value}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.value = int(state["step"])
+
+
+def with_step(state: dict[str, Any]) -> tuple[dict[str, Any], StepCount]:
+    """``state`` with a :class:`StepCount` registered under :data:`STEP_NAME`; a
+    ``ValueError`` if the loop's own state uses that name.
+
+    >>> state, count = with_step({"model": None})
+    >>> sorted(state), count.value
+    (['model', 'scopedmesh.step'], 0)
+    """
+    if STEP_NAME in state:
+        raise ValueError(
+            f"state must not register the name {STEP_NAME!r}: Replicas registers the job's "
+            f"step count under it"
+        )
+    count = StepCount()
+    return {**state, STEP_NAME: count}, count
 
 
 class Records:
@@ -34,6 +72,30 @@ class Records:
     ) -> None:
         self._store, self._keys, self._probes = store, keys, probes
         self.replicas, self.local = replicas, local
+        self._reported = -REPORT_EVERY  # when this slot last wrote the step (monotonic)
+
+    def entered(self, epoch: int, step: int) -> None:
+        """By the source's first slot, once an epoch formed: the newest epoch, and the
+        step it starts at."""
+        self._store.set(self._keys.step, str(step))
+        self._store.set(self._keys.latest, str(epoch))
+        self._reported = time.monotonic()
+
+    def count(self, count: StepCount, reports: bool) -> None:
+        """An agreed step: one more in ``count``; if this slot ``reports`` (the source's
+        first) and :data:`REPORT_EVERY` seconds passed since its last write, the step
+        goes to the store (one request a second at most, by one slot of the job)."""
+        count.value += 1
+        now = time.monotonic()
+        if reports and now - self._reported >= REPORT_EVERY:
+            self._store.set(self._keys.step, str(count.value))
+            self._reported = now
+
+    def finished(self, decision: Decision, step: int) -> None:
+        """By the source's first slot, once every member agreed the job ended: its final
+        step, then the end (the last epoch's decision)."""
+        self._store.set(self._keys.step, str(step))
+        self._store.set(self._keys.finished, decision.text())
 
     def joiners(self, current: Decision) -> dict[int, str]:
         """Replicas whose every slot announced one token that ``current`` does not hold,
@@ -75,6 +137,12 @@ class Records:
             for c in range(self.local)
             for m in range(decision.size)
         ]
+        source = decision.index(decision.source)
+        for c in range(self.local):  # an NCCL group's ids: its own, the catch-up's pairs
+            formed.append(keys.nccl_id(decision.epoch, c))
+            formed += [
+                keys.nccl_id(decision.epoch, c, (source, decision.index(r))) for r in decision.fresh
+            ]
         for key in formed:  # every member formed; its check-ins may still come
             store.delete_key(key)
         store.set(keys.cleaned, str(decision.epoch))  # its decision and check-ins stay
@@ -89,15 +157,22 @@ class Records:
 
 @dataclass(frozen=True)
 class JobView:
-    """A replicated job as its store shows it: the newest epoch formed, and whether the
-    job finished (:meth:`Replicas.finish <scopedmesh.fault.replicas.Replicas.finish>`).
+    """A replicated job as its store shows it: the newest epoch formed, whether the job
+    finished (:meth:`Replicas.finish <scopedmesh.fault.replicas.Replicas.finish>`), and
+    its step.
 
     ``decision`` holds the epoch, its members (replica, incarnation token), the
     source replica and the joins counted; what :meth:`Replicas.boundary` returns.
+    ``step`` is the job's agreed steps (:attr:`Replicas.step
+    <scopedmesh.fault.replicas.Replicas.step>`) as the source last wrote them: when
+    an epoch formed, then at most once a second (:data:`REPORT_EVERY`) after an
+    agreed step, and at the end (exact once ``finished``); so up to a second and a
+    step behind while the job runs. None from a store no such source wrote to.
     """
 
     decision: Decision
     finished: bool
+    step: int | None = None
 
     @property
     def epoch(self) -> int:
@@ -112,8 +187,8 @@ class JobView:
 
 def job_view(store: Any) -> JobView | None:
     """What a launcher or a dashboard reads of a replicated job in ``store``: the newest
-    epoch that formed, or None before the first; reads only (three requests), from any
-    process.
+    epoch that formed and the job's step, or None before the first epoch; reads only
+    (four requests), from any process.
 
     >>> import torch.distributed as dist
     >>> store = dist.HashStore()
@@ -121,9 +196,10 @@ def job_view(store: Any) -> JobView | None:
     True
     >>> _ = Records(store, ReplicaKeys(), 2, 1, None).decide(Decision(0, ((0, "a"),), 0, 1))
     >>> store.set(ReplicaKeys().latest, "0")  # what the epoch's members write once formed
+    >>> store.set(ReplicaKeys().step, "12")  # and, at most once a second, the source
     >>> view = job_view(store)
-    >>> view.epoch, view.replicas, view.finished
-    (0, (0,), False)
+    >>> view.epoch, view.replicas, view.finished, view.step
+    (0, (0,), False, 12)
     """
     keys = ReplicaKeys()
     latest = read(store, keys.latest)
@@ -131,4 +207,6 @@ def job_view(store: Any) -> JobView | None:
     if latest is None or text is None:
         return None
     finished = read(store, keys.finished)
-    return JobView(Decision.parse(int(latest), finished or text), finished is not None)
+    step = read(store, keys.step)
+    decision = Decision.parse(int(latest), finished or text)
+    return JobView(decision, finished is not None, None if step is None else int(step))

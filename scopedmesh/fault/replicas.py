@@ -56,9 +56,10 @@ import torch.distributed as dist
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import JobFinishedError, LostRankError, StepError, shown
+from scopedmesh.fault.dp_groups import Drops, check_backend, form_group
 from scopedmesh.fault.membership import Decision, propose
 from scopedmesh.fault.probes import SlotProbes
-from scopedmesh.fault.records import Records
+from scopedmesh.fault.records import Records, with_step
 from scopedmesh.fault.state_transfer import (
     CollectiveFailed,
     Stateful,
@@ -92,8 +93,10 @@ class Replicas:
     ``state_dict``/``load_state_dict`` (model, optimizer, progress: step, RNG,
     data position): a joiner receives them from the epoch's source replica.
     ``timeout`` bounds every wait; each says what it waited for.
-    ``form_timeout`` bounds gloo's connection of an epoch's group (a member
+    ``form_timeout`` bounds the connection of an epoch's group (a member
     that dies after every member was ready costs its peers that long).
+    ``backend`` is the dp groups' (``"gloo"``, or ``"nccl"``: CUDA tensors, each
+    epoch's communicators formed afresh; see :mod:`~scopedmesh.fault.dp_groups`).
 
     After each agreed step, ``contributors`` holds the replicas whose tensors
     it averaged (all members, but for an admission's joiners in its first
@@ -113,10 +116,12 @@ class Replicas:
         host: str | None = None,
         poll: float = 0.01,
         form_timeout: timedelta | float = 10.0,
+        backend: str = "gloo",
     ) -> None:
-        self._state = check_args(store, replica, replicas, state, poll)
+        self._state, self._count = with_step(check_args(store, replica, replicas, state, poll))
         self._timeout = check_timeout(timeout).total_seconds()
         self._form_timeout = check_timeout(form_timeout, "form_timeout").total_seconds()
+        self.backend = check_backend(backend)
         if host is not None and not isinstance(host, str):
             raise TypeError(f"host must be a str or None, got {shown(host)}")
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -141,7 +146,7 @@ class Replicas:
         # The replica's own group takes the verdict's tensors here (CUDA if NCCL-only).
         self._device = group_device(str(dist.get_backend(group)))
         self._pg: Any = None  # this epoch's dp group along this rank's coordinate
-        self._dropping: threading.Thread | None = None  # lets go of the last epoch's group
+        self._drops = Drops(f"replica {replica} coordinate {self.coordinate}", self._timeout)
         self._admission: tuple[threading.Thread, list[Any]] | None = None  # see boundary()
         self._pending: str | None = "join"
         self._cleaned = -1  # the epoch whose older keys this rank last had deleted
@@ -159,6 +164,12 @@ class Replicas:
     def size(self) -> int:
         """How many replicas the current epoch holds (0 before the first boundary)."""
         return 0 if self.decision is None else self.decision.size
+
+    @property
+    def step(self) -> int:
+        """The job's agreed steps (each ``all_reduce_`` that returned True; a joiner takes
+        the source's count with its state). :func:`~scopedmesh.job_view` shows it."""
+        return self._count.value
 
     @property
     def catching_up(self) -> bool:
@@ -236,7 +247,7 @@ class Replicas:
         if tensors is not None and not mixed:
             n = len(contributors)
             ok = ok and self._dp(lambda pg: average(pg, tensors, decision.size, n))
-        ok = self._guard(self._finish_drop) and ok  # the last epoch's group, let go of meanwhile
+        ok = self._guard(self._drops.finish) and ok  # the last epoch's group, let go of meanwhile
         joins = 0
         if tensors is not None and self.coordinate == 0 and ok:
             joins = self._guarded(lambda: int(self._store.add(self.keys.joins, 0)), 0)
@@ -256,9 +267,10 @@ class Replicas:
         if tensors is None:
             self._finished = True
             if decision.source == self.replica and self.coordinate == 0:
-                self._store.set(self.keys.finished, decision.text())
+                self._records.finished(decision, self._count.value)
             return True
         self.contributors = contributors
+        self._records.count(self._count, decision.source == self.replica and self.coordinate == 0)
         if flags.joins > decision.joins:
             self._pending = "admit"
         if self._cleaned < decision.epoch and decision.source == self.replica:
@@ -323,7 +335,7 @@ class Replicas:
         self._pg = None
         self._outgoing = self._incoming = None
         self._admission = None  # its thread sees the close at its next wait, and drops its group
-        self._finish_drop()
+        self._drops.finish()
         self._probes.close()
         with contextlib.suppress(Exception):
             self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
@@ -503,7 +515,7 @@ class Replicas:
                 self._pending = None
                 self.entered.append((decision.epoch, time.time(), decision.replicas))
                 if decision.source == self.replica and self.coordinate == 0:
-                    self._store.set(self.keys.latest, str(decision.epoch))
+                    self._records.entered(decision.epoch, self._count.value)
                 return
             self._outgoing = self._incoming = None
             decision = self._heal(decision)
@@ -530,19 +542,11 @@ class Replicas:
                     deadline,
                     f"replicas {waiting} to form epoch {epoch} along coordinate {self.coordinate}",
                 )
-        prefix = dist.PrefixStore(keys.group(epoch, self.coordinate), store)  # type: ignore[attr-defined]  # public; not in torch's stub exports
-        try:
-            pg = dist.ProcessGroupGloo(
-                prefix,
-                decision.index(self.replica),
-                decision.size,
-                timedelta(seconds=self._form_timeout),
-            )
-        except RuntimeError:
-            return False
-        pg.set_timeout(timedelta(seconds=self._timeout))
-        self._pg = pg
-        return True
+        self._pg = form_group(
+            self.backend, store, keys, self._probes, decision, self.replica, self.coordinate,
+            form_timeout=self._form_timeout, timeout=self._timeout,
+        )  # fmt: skip
+        return self._pg is not None
 
     def _sync(self, pg: Any, decision: Decision) -> None:
         """The source replica's state along this coordinate: a broadcast to every member,
@@ -577,35 +581,9 @@ class Replicas:
     # ------------------------------------------------------------------ helpers
 
     def _drop_in_background(self) -> None:
-        """Let go of the last epoch's healthy, idle dp group on a helper thread.
-
-        Destroying a gloo group takes about 30 ms (its threads and connections,
-        measured here); at an admission that was a third of the survivors'
-        stall. It overlaps the next epoch's formation and first all-reduce
-        instead; :meth:`_finish_drop` waits for it after that all-reduce (it has
-        ended by then), before the step's verdict. A failed group is never
-        dropped this way: its peers must fail at once.
-        """
-        self._finish_drop()
-        held = [self._pg]
-        self._pg = None
-        self._dropping = threading.Thread(
-            target=held.clear, name="scopedmesh-replicas-drop", daemon=True
-        )
-        self._dropping.start()
-        del held  # the thread's list holds the last reference
-
-    def _finish_drop(self) -> None:
-        """Wait for :meth:`_drop_in_background`'s thread, if one runs (bounded by gloo's
-        teardown; a group whose teardown hangs is reported, never waited on for long)."""
-        dropping, self._dropping = self._dropping, None
-        if dropping is not None:
-            dropping.join(self._timeout)
-            if dropping.is_alive():
-                raise TimeoutError(
-                    f"replica {self.replica} coordinate {self.coordinate}: waited "
-                    f"{self._timeout:g} s for the last epoch's dp group to be destroyed"
-                )
+        """Let go of the last epoch's healthy, idle dp group on a helper thread (:class:`Drops`)."""
+        held, self._pg = [self._pg], None
+        self._drops.start(held)  # the thread's list holds the last reference
 
     def _dp(self, work: Callable[[Any], object]) -> bool:
         """Run ``work`` on the dp group; False (and the group dropped: peers blocked on

@@ -3,8 +3,9 @@ tensor by tensor, into the receivers' own tensors.
 
 The source sends a **header** (its ``state_dict()``s with each tensor replaced
 by a reference, and each tensor's dtype and shape: a small ``torch.save`` blob),
-then each tensor's bytes straight from its live storage (a CPU tensor is not
-copied; another is staged through one CPU copy at a time). A receiver takes
+then each tensor's bytes straight from its live storage (a tensor on the group's
+device is not copied: the CPU for gloo, this process's CUDA device for NCCL;
+another is staged through one copy on that device at a time). A receiver takes
 each tensor into its own tensor at the same place of its own ``state_dict()``
 (same dtype and shape), or into a new one on its own device, then calls
 ``load_state_dict``. The extra memory on either side is about the largest
@@ -54,6 +55,7 @@ __all__ = [
     "receive_state",
     "send_state",
     "unpack_header",
+    "wire_device",
 ]
 
 LENGTH_TAG, HEADER_TAG, FIRST_TENSOR_TAG = 1, 2, 3  # gloo's send/recv tags
@@ -229,9 +231,23 @@ def unpack_header(header: bytes | bytearray, state: Mapping[str, Stateful]) -> P
     return Plan(tree, slots, sharded, devices)
 
 
-def _wire(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``tensor``'s bytes as a uint8 view, or None when it needs a CPU copy first."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_sparse:
+_CPU = torch.device("cpu")
+
+
+def wire_device(pg: Any) -> torch.device:
+    """The device ``pg`` sends from and receives into: a
+    :class:`~scopedmesh.fault.dp_groups.DeviceGroup`'s (NCCL: CUDA), else the CPU (gloo)."""
+    device = getattr(pg, "wire_device", None)
+    return device if isinstance(device, torch.device) else _CPU
+
+
+def _wire(tensor: torch.Tensor, device: torch.device = _CPU) -> torch.Tensor | None:
+    """``tensor``'s bytes as a uint8 view, or None when it needs a copy on ``device`` first.
+
+    >>> _wire(torch.zeros(2, dtype=torch.int16)).tolist(), _wire(torch.zeros(2, 2).t())
+    ([0, 0, 0, 0], None)
+    """
+    if tensor.device != device or not tensor.is_contiguous() or tensor.is_sparse:
         return None
     return tensor.reshape(-1).view(torch.uint8)
 
@@ -241,12 +257,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class _Staging:
-    """One CPU buffer of ``size`` bytes (the largest tensor that is not a contiguous CPU
-    one), reused for each such tensor in turn: a tensor's bytes go in (:meth:`put`) or
-    come out (:meth:`room`, then :meth:`settle`)."""
+    """One buffer of ``size`` bytes on the group's ``device`` (the largest tensor that is
+    not a contiguous one there), reused for each such tensor in turn: a tensor's bytes
+    go in (:meth:`put`) or come out (:meth:`room`, then :meth:`settle`)."""
 
-    def __init__(self, size: int) -> None:
-        self._buffer = torch.empty(size, dtype=torch.uint8)
+    def __init__(self, size: int, device: torch.device = _CPU) -> None:
+        self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
 
     def room(self, nbytes: int) -> torch.Tensor:
         return self._buffer[:nbytes]
@@ -260,8 +276,9 @@ class _Staging:
         target.copy_(self.room(_nbytes(target)).view(target.dtype).view(target.shape))
 
 
-def _stage_for(tensors: Iterable[torch.Tensor]) -> _Staging:
-    return _Staging(max((_nbytes(t) for t in tensors if _wire(t) is None), default=0))
+def _stage_for(tensors: Iterable[torch.Tensor], device: torch.device) -> _Staging:
+    size = max((_nbytes(t) for t in tensors if _wire(t, device) is None), default=0)
+    return _Staging(size, device)
 
 
 class _Receiver:
@@ -270,9 +287,9 @@ class _Receiver:
     else on this process's device of the source's kind (a CPU tensor stays on the CPU,
     as Adam's ``step`` must; a CUDA one goes to this process's CUDA device)."""
 
-    def __init__(self, state: Mapping[str, Stateful], plan: Plan) -> None:
+    def __init__(self, state: Mapping[str, Stateful], plan: Plan, device: torch.device) -> None:
         self.own = own_tensors(state)
-        self.plan = plan
+        self.plan, self.device = plan, device
         self.values: list[torch.Tensor] = []
 
     def target(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -282,12 +299,12 @@ class _Receiver:
         own = self.own.get(path)
         if own is not None and own.dtype == dtype and tuple(own.shape) == shape:
             self.values.append(own)
-            return own, _wire(own)
+            return own, _wire(own, self.device)
         kind = self.plan.devices[index]
         device = own.device if own is not None else _device_for(kind, self.own.values())
         fresh = torch.empty(shape, dtype=dtype, device=device)
         self.values.append(fresh)
-        return fresh, _wire(fresh)
+        return fresh, _wire(fresh, self.device)
 
 
 def _device_for(kind: str, own: Iterable[torch.Tensor]) -> torch.device:
@@ -319,6 +336,7 @@ def broadcast_state(
     header, then each tensor. Returns this member's role and the bytes moved."""
     options = dist.BroadcastOptions()
     options.rootRank = root
+    device = wire_device(pg)
 
     def cast(tensor: torch.Tensor) -> Any:
         return post(lambda: pg.broadcast([tensor], options))
@@ -327,9 +345,9 @@ def broadcast_state(
         header, tensors = _packed(state, lambda length: run(lambda: cast(length)))
         run(lambda: cast(torch.tensor([header.numel()], dtype=torch.int64)))
         run(lambda: cast(header))
-        nbytes, works, staging = header.numel(), [], _stage_for(tensors)
+        nbytes, works, staging = header.numel(), [], _stage_for(tensors, device)
         for tensor in tensors:
-            view = _wire(tensor)
+            view = _wire(tensor, device)
             if view is None:
                 wait(cast(staging.put(tensor)))  # one staged tensor at a time
             else:
@@ -342,7 +360,8 @@ def broadcast_state(
     received = bytearray(_checked_length(length))
     run(lambda: cast(torch.frombuffer(received, dtype=torch.uint8)))
     plan = unpack_header(received, state)
-    return "received", _take(plan, state, lambda view, index: cast(view)) + len(received)
+    received_bytes = _take(plan, state, lambda view, index: cast(view), device)
+    return "received", received_bytes + len(received)
 
 
 def send_state(pg: Any, state: Mapping[str, Stateful], joiners: Sequence[int]) -> int:
@@ -356,12 +375,13 @@ def send_state(pg: Any, state: Mapping[str, Stateful], joiners: Sequence[int]) -
     header, tensors = _packed(state, refuse)
     length = torch.tensor([header.numel()], dtype=torch.int64)
     works: list[Any] = []
-    staging = _stage_for(tensors)
+    device = wire_device(pg)
+    staging = _stage_for(tensors, device)
     for joiner in joiners:
         works.append(post(functools.partial(pg.send, [length], joiner, LENGTH_TAG)))
         works.append(post(functools.partial(pg.send, [header], joiner, HEADER_TAG)))
         for index, tensor in enumerate(tensors):
-            view, tag = _wire(tensor), FIRST_TENSOR_TAG + index
+            view, tag = _wire(tensor, device), FIRST_TENSOR_TAG + index
             if view is None:  # one staged tensor at a time
                 run(functools.partial(pg.send, [staging.put(tensor)], joiner, tag))
             else:
@@ -382,17 +402,22 @@ def receive_state(pg: Any, state: Mapping[str, Stateful], source: int) -> int:
     def recv(view: torch.Tensor, index: int) -> Any:
         return post(lambda: pg.recv([view], source, FIRST_TENSOR_TAG + index))
 
-    return _take(plan, state, recv) + len(header)
+    return _take(plan, state, recv, wire_device(pg)) + len(header)
 
 
 def _take(
-    plan: Plan, state: Mapping[str, Stateful], transport: Callable[[torch.Tensor, int], Any]
+    plan: Plan,
+    state: Mapping[str, Stateful],
+    transport: Callable[[torch.Tensor, int], Any],
+    device: torch.device = _CPU,
 ) -> int:
     """Receive each tensor of ``plan`` with ``transport(view, index)`` (a posted
-    operation), then load; return the tensors' bytes."""
-    receiver, works = _Receiver(state, plan), []
+    operation on a group whose tensors live on ``device``), then load; return the
+    tensors' bytes."""
+    receiver, works = _Receiver(state, plan, device), []
     targets = [receiver.target(index) for index in range(len(plan.slots))]
-    staging = _Staging(max((_nbytes(t) for t, view in targets if view is None), default=0))
+    size = max((_nbytes(t) for t, view in targets if view is None), default=0)
+    staging = _Staging(size, device)
     for index, (target, view) in enumerate(targets):
         if view is None:  # one staged tensor at a time
             wait(transport(staging.room(_nbytes(target)), index))

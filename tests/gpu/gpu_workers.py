@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.heal_nccl import NUMEL, place  # noqa: E402
+from benchmarks.heal_nccl import NUMEL, RANK_ENV, place  # noqa: E402
 from scopedmesh import (  # noqa: E402
     LivenessWatch,
     MeshClosedError,
@@ -286,3 +286,23 @@ def kept_handle_world(rank: int, world_size: int) -> dict[str, Any]:
         out["refused"] = "aborted" in repr(mesh)  # the old mesh: closed after its abort
         verdict.mesh.close()
     return out
+
+
+def replicas_rank(
+    replica: int, coordinate: int, job_port: int, replicas: int, steps: int, pace: float
+) -> dict[str, Any]:
+    """One rank of a replicated job on NCCL (tests/world/_workers_grow.py's ``train``, its
+    model and gradients on this replica's GPU, ``Replicas(backend="nccl")``): on one GPU
+    each replica presents its own NCCL host id (``place``). Mirrors
+    tests/world/test_grow_nccl.py, where a CPU stand-in plays ProcessGroupNCCL."""
+    for name, value in RANK_ENV.items():
+        os.environ.setdefault(name, value)
+    device = place(replica)
+    world = str(Path(__file__).resolve().parents[1] / "world")
+    if world not in sys.path:
+        sys.path.insert(0, world)
+    import _workers_grow
+
+    return _workers_grow.train(
+        replica, coordinate, job_port, replicas, steps, pace, "nccl", True, str(device)
+    )

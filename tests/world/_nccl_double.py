@@ -1,4 +1,5 @@
-"""A stand-in for NCCL on the CPU: a registered Python backend that records every abort.
+"""Stand-ins for NCCL on the CPU: a registered Python backend that records every abort,
+and (below) a working stand-in for ``ProcessGroupNCCL`` that Replicas' dp groups use.
 
 Each group of the ``nccl_double`` backend is a :class:`RecordingGroup`. Its
 ``_get_backend(cuda)`` answers with a stand-in for ``ProcessGroupNCCL`` that has
@@ -163,3 +164,115 @@ def wait_for(condition: Any, seconds: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {seconds} s for {what}")
         time.sleep(0.005)
+
+
+# ------------------------------------------------------------------ a working stand-in
+
+
+class StandInOptions:
+    """What ``ProcessGroupNCCL.Options()`` offers the library."""
+
+    def __init__(self, is_high_priority_stream: bool = False) -> None:
+        self.is_high_priority_stream = is_high_priority_stream
+
+
+class StandInWork:
+    """One operation of the stand-in: done once its gloo operation succeeded (a thread
+    waits for it: gloo's send and receive complete only inside ``wait``). One whose
+    peer died or dropped the group never completes (NCCL's kernel waits for the peer)
+    until the stand-in is aborted; then it looks done (``wait`` returns normally), as a
+    collective an abort cut short does on NCCL."""
+
+    def __init__(self, inner: Any, aborted: threading.Event) -> None:
+        self._aborted = aborted
+        self._ok = threading.Event()
+
+        def wait() -> None:
+            try:
+                inner.wait()
+            except RuntimeError:  # the peer is gone: on NCCL nothing would complete
+                return
+            self._ok.set()
+
+        threading.Thread(target=wait, name="stand-in-work", daemon=True).start()
+
+    def is_completed(self) -> bool:
+        return self._aborted.is_set() or self._ok.is_set()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        deadline = time.monotonic() + 60.0
+        while not self.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the stand-in's NCCL operation waited 60 s: nothing aborted it")
+            time.sleep(0.001)
+        return True
+
+
+def nccl_stand_in(events: list[tuple[Any, ...]]) -> type:
+    """A class to put in place of ``torch.distributed.ProcessGroupNCCL`` in one rank
+    process, over gloo on the CPU, that behaves as NCCL where the library must care:
+
+    - its constructor connects nothing: ``eager_connect_single_device`` (or the first
+      operation) forms the gloo group over the store it was given, and records
+      ``("init", rank, size, n)``, ``n`` counting the inits over that store (an
+      epoch's own store sees at most its ``size``);
+    - an operation a dead or departed peer never joins never completes, until
+      ``abort()`` (recorded); then it looks done;
+    - each tensor it sends (``send``, or ``broadcast`` from the root) is recorded with
+      its storage address: ``("sent", data_ptr, nbytes)``.
+
+    It has no ``split``: a formation that tried to derive from another communicator
+    would fail. ``events`` (the caller's list) receives the records.
+    """
+    lock = threading.Lock()
+
+    def record(*event: Any) -> None:
+        with lock:
+            events.append(event)
+
+    class StandIn:
+        Options = StandInOptions
+
+        def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
+            if not isinstance(options, StandInOptions):
+                raise TypeError(f"ProcessGroupNCCL takes Options, got {options!r}")
+            self._store, self._rank, self._size = store, rank, size
+            self._inner: Any = None
+            self._aborted = threading.Event()
+
+        def eager_connect_single_device(self, device: torch.device | None) -> None:
+            if self._inner is None:
+                n = self._store.add("nccl-stand-in/inits", 1)
+                self._inner = dist.ProcessGroupGloo(
+                    self._store, self._rank, self._size, timedelta(seconds=10)
+                )
+                record("init", self._rank, self._size, n)
+
+        def abort(self) -> None:
+            record("abort", self._rank, self._size)
+            self._aborted.set()
+
+        def _run(self, call: Any) -> StandInWork:
+            if self._aborted.is_set():
+                raise RuntimeError("the stand-in's communicator was aborted")
+            self.eager_connect_single_device(None)
+            return StandInWork(call(self._inner), self._aborted)
+
+        def allreduce(self, tensors: list[torch.Tensor], options: Any) -> StandInWork:
+            return self._run(lambda g: g.allreduce(tensors, options))
+
+        def broadcast(self, tensors: list[torch.Tensor], options: Any) -> StandInWork:
+            if options.rootRank == self._rank:
+                for t in tensors:
+                    record("sent", t.data_ptr(), t.numel() * t.element_size())
+            return self._run(lambda g: g.broadcast(tensors, options))
+
+        def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> StandInWork:
+            for t in tensors:
+                record("sent", t.data_ptr(), t.numel() * t.element_size())
+            return self._run(lambda g: g.send(tensors, peer, tag))
+
+        def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> StandInWork:
+            return self._run(lambda g: g.recv(tensors, peer, tag))
+
+    return StandIn

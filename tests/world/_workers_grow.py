@@ -82,7 +82,8 @@ def batch(replica: int, coordinate: int, step: int) -> tuple[torch.Tensor, torch
 
 def loss_of(model: torch.nn.Module, replica: int, coordinate: int, step: int) -> torch.Tensor:
     x, y = batch(replica, coordinate, step)
-    return torch.nn.functional.mse_loss(model(x), y)
+    device = next(model.parameters()).device
+    return torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
 
 
 def accumulate(
@@ -98,16 +99,37 @@ def accumulate(
     return loss.detach()
 
 
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
 def digest(state: dict[str, Any]) -> str:
+    """The state's bytes' hash, wherever its tensors live (a GPU's index is no part of it)."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(_on_cpu(state), buffer)
     return hashlib.sha256(buffer.getvalue()).hexdigest()
 
 
 def train(
-    replica: int, coordinate: int, job_port: int, replicas: int, steps: int, pace: float
+    replica: int,
+    coordinate: int,
+    job_port: int,
+    replicas: int,
+    steps: int,
+    pace: float,
+    backend: str = "gloo",
+    finish: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """One rank of one replica: join (or rejoin), train ``steps`` steps, report."""
+    """One rank of one replica: join (or rejoin), train ``steps`` steps, report. With
+    ``finish``, the job ends by ``Replicas.finish`` (else each replica leaves its loop);
+    the model and its gradients live on ``device``."""
     started = time.time()
     if os.environ.get("GROW_DEBUG"):
         import faulthandler
@@ -115,7 +137,7 @@ def train(
 
         faulthandler.register(signal.SIGUSR1)
     store = dist.TCPStore("127.0.0.1", job_port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
-    model = model_of(coordinate)
+    model = model_of(coordinate).to(device)
     optim = torch.optim.Adam(model.parameters(), lr=LR)
     progress = Progress()
     state = {"model": model, "optim": optim, "progress": progress}
@@ -125,7 +147,9 @@ def train(
     inside_sums: set[float] = set()  # what the replica's own scoped mesh summed, every step
     skipped = 0  # steps this rank skipped while catching up
     with (
-        Replicas(store, replica=replica, replicas=replicas, state=state, timeout=60) as grow,
+        Replicas(
+            store, replica=replica, replicas=replicas, state=state, timeout=60, backend=backend
+        ) as grow,
         ProcessGroupMesh(local, names=("tp",), timeout=60) as inside,  # the replica's WORLD
     ):
         tp = inside.get_group_along_axis("tp")
@@ -135,7 +159,9 @@ def train(
             whole = decision.size == replicas and bool(progress.history)
             whole = whole and len(progress.history[-1][1]) == replicas
             if not _going(store, progress.step, steps, whole):
-                break
+                if not finish or grow.finish():
+                    break
+                continue
             _debug(
                 f"r{replica}c{coordinate} step {progress.step} epoch {decision.epoch} {decision.replicas}"
             )
@@ -144,7 +170,7 @@ def train(
                 skipped += 1
                 for p in model.parameters():
                     p.grad = torch.zeros_like(p)
-                shown = torch.zeros(1)
+                shown = torch.zeros(1, device=device)
             else:  # coordinate 1 computes on its stale state: its tensors are zeroed
                 loss = loss_of(model, replica, coordinate, progress.step)
                 loss.backward()
@@ -184,9 +210,83 @@ def train(
             "inside": {"sums": sorted(inside_sums), "ranks": inside.get_ranks_in_group(tp)},
             "samples": samples,
             "skipped": skipped,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "step": grow.step,
+            "pointers": _pointers(model, optim),
         }
     return result
+
+
+def _pointers(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[int]:
+    """The storage addresses of the registered tensors (parameters, optimizer state)."""
+    tensors = list(model.state_dict().values())
+    for per_parameter in optim.state.values():
+        tensors += [v for v in per_parameter.values() if isinstance(v, torch.Tensor)]
+    return sorted(t.data_ptr() for t in tensors)
+
+
+def train_on_nccl_stand_in(
+    replica: int, coordinate: int, job_port: int, replicas: int, steps: int, pace: float
+) -> dict[str, Any]:
+    """:func:`train` with ``backend="nccl"``, ``ProcessGroupNCCL`` replaced by the CPU
+    stand-in (tests/world/_nccl_double.py) and the dp groups' device by the CPU; the
+    stand-in's records join the report."""
+    import _nccl_double
+
+    from scopedmesh.fault import dp_groups
+
+    events: list[tuple[Any, ...]] = []
+    dist.ProcessGroupNCCL = _nccl_double.nccl_stand_in(events)  # type: ignore[misc]
+    dist.is_nccl_available = lambda: True
+    dp_groups.nccl_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # else Replicas refuses NCCL
+    result = train(replica, coordinate, job_port, replicas, steps, pace, "nccl", True)
+    result["events"] = list(events)
+    return result
+
+
+def kill_and_rejoin(fn: Any, replicas: int, bound: float) -> tuple[Any, Any, list[int], Any]:
+    """Launcher's side: ``replicas`` replicas of one rank run ``fn`` (``train`` with
+    ``steps=-1`` and ``finish``); once the job trained 5 steps, replica 1 is SIGKILLed at
+    a random moment and restarted at once; 5 steps after the job is whole again it
+    finishes. Returns the results, the final job view, the replicas restarted, and the
+    job's store (its server lives on in this process)."""
+    from scopedmesh import job_view
+    from scopedmesh.testing.replicas import ReplicaJob
+
+    job = ReplicaJob(fn, replicas=replicas, local=1, args=(replicas, -1, 0.01), max_restarts=2)
+    deadline = time.monotonic() + bound
+
+    def until(what: str, condition: Any) -> None:
+        while not condition():
+            job.poll()
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"waited {bound:g} s for {what}; failures: {job.failures[-2:]}"
+                )
+            time.sleep(0.01)
+
+    def whole(token: str | None) -> bool:
+        view = job_view(job.store)
+        if view is None or view.decision.size != replicas:
+            return False
+        return token is None or view.decision.token(1) != token
+
+    job.start()
+    try:
+        until("the full shape", lambda: whole(None))
+        until("a few steps", lambda: int(read(job.store, STEP) or 0) >= 5)
+        view = job_view(job.store)
+        token = None if view is None else view.decision.token(1)
+        time.sleep(torch.rand(()).item() * 0.2)  # a random moment: a collective, a sleep
+        if job.kill(1, 0) is None:
+            raise AssertionError("replica 1 was not running when it was to be killed")
+        until("the full shape again", lambda: whole(token))
+        job.store.set(STOP, str(int(read(job.store, STEP) or 0) + 5))
+        until("every replica to finish", lambda: job.done)
+        return job.results, job_view(job.store), [r for r, _ in job.restarts], job.store
+    finally:
+        job.stop()
 
 
 def reference(
