@@ -326,7 +326,8 @@ class Replicas:
         self._finish_drop()
         self._probes.close()
         with contextlib.suppress(Exception):
-            self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
+            if not self._probes.cut_off:  # a request to a store cut off would wait for the cut
+                self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
 
     def __enter__(self) -> Replicas:
         return self
@@ -444,6 +445,7 @@ class Replicas:
         """After a failed step: check in, wait until every slot of ``current`` checked in
         or one of its replica's slots is dead, then decide (or read) the next epoch."""
         self._pg = None
+        self._probes.check_reach(self.replica, self.token, current)  # cut off: LostRankError
         store, keys, nxt = self._store, self.keys, current.epoch + 1
         store.set(keys.checked_in(current.epoch, self.replica, self.coordinate), "1")
         waiting = [(r, c) for r in current.replicas for c in range(self.local)]
@@ -541,7 +543,7 @@ class Replicas:
         except RuntimeError:
             return False
         pg.set_timeout(timedelta(seconds=self._timeout))
-        self._pg = pg
+        self._pg = self._probes.watch(pg, decision, self.replica, self.coordinate)
         return True
 
     def _sync(self, pg: Any, decision: Decision) -> None:
