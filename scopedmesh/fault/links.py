@@ -9,12 +9,15 @@ while it waits for them (a collective of the epoch's group, a heal, a
 formation) it sends one byte on each link every :data:`CHECK_EVERY` seconds.
 The byte is acknowledged by the peer's **kernel**, whether or not its process
 runs: a process that is stopped (SIGSTOP), descheduled or computing keeps its
-links alive, however long. Only a host that answers nothing makes the kernel
-give up on the link, after :data:`UNREACHABLE_AFTER` seconds of unacknowledged
-data (``TCP_USER_TIMEOUT``): the link then fails with ``ETIMEDOUT`` and the slot
-is **unreachable**. A link reset or closed by the peer's kernel (its process
-ended, or closed its listener) is **closed**: dead, as a refused probe. A
-verdict on an incarnation is final.
+links alive, however long. A byte still unacknowledged :data:`UNREACHABLE_AFTER`
+seconds after it was sent (the kernel's count of unacknowledged bytes,
+``SIOCOUTQ``), or a connect unanswered that long, makes the slot **unreachable**;
+the kernel ends such a link by itself too (``TCP_USER_TIMEOUT``; it checks only
+when a retransmission is due, and the first one waits a whole retransmission
+timeout, which a loaded machine's delayed acknowledgements stretch to seconds).
+A link reset or closed by the peer's kernel (its process ended, or closed its
+listener) is **closed**: dead, as a refused probe. A verdict on an incarnation
+is final.
 
 Nothing is sent while no one waits: no thread, no store request, no traffic
 in a step that does not stall.
@@ -32,6 +35,7 @@ import contextlib
 import errno
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -52,13 +56,14 @@ __all__ = [
     "reason_of",
 ]
 
-CHECK_EVERY = 0.1  # seconds a wait lasts before (and between) checks of the links
+CHECK_EVERY = 0.05  # seconds a wait lasts before (and between) checks of the links
 UNREACHABLE_AFTER = 0.8  # seconds of unanswered data (or connect) before a host is unreachable
 CLOSED = "closed"  # the peer's kernel reset or closed the link: its process is gone
 UNREACHABLE = "unreachable"  # the peer's host answered nothing for UNREACHABLE_AFTER
 
 Slot = tuple[int, int, str]  # (replica, coordinate, incarnation token)
 
+_SIOCOUTQNSD = 0x894B  # Linux: bytes in the send queue not sent yet
 _SILENT = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
 
 
@@ -70,18 +75,43 @@ def reason_of(error_number: int) -> str | None:
     return UNREACHABLE if error_number in _SILENT else CLOSED
 
 
+def unacknowledged(sock: socket.socket) -> int:
+    """How many bytes ``sock`` sent that its peer's kernel has not acknowledged yet: the
+    send queue (``SIOCOUTQ``) less what it has not sent (``SIOCOUTQNSD``: a closed
+    window holds bytes back while the peer's kernel answers); 0 where the system
+    cannot tell."""
+    try:
+        import fcntl
+        import termios
+    except ImportError:  # not POSIX: the kernel's TCP_USER_TIMEOUT alone, where it has one
+        return 0
+    queued = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on Linux
+    if queued is None:
+        return 0
+    counts: list[int] = []
+    for request in (queued, _SIOCOUTQNSD):
+        try:
+            counts.append(struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0" * 4))[0])
+        except OSError:
+            counts.append(0)
+    return max(0, counts[0] - counts[1])
+
+
 @dataclass
 class _Link:
     sock: socket.socket
     since: float  # when its connect began
     connected: bool = False
+    unacknowledged_since: float | None = None  # when the oldest byte in flight was sent
 
 
 @dataclass
 class Links:
-    """One slot's links to other slots, by :data:`Slot`; ``clock`` is for tests."""
+    """One slot's links to other slots, by :data:`Slot`; ``clock`` and ``unacknowledged``
+    (bytes in flight on a socket) are for tests."""
 
     clock: Callable[[], float] = time.monotonic
+    unacknowledged: Callable[[socket.socket], int] = unacknowledged
     _links: dict[Slot, _Link] = field(default_factory=dict)
     lost: dict[Slot, str] = field(default_factory=dict)  # final verdicts: slot -> reason
 
@@ -106,7 +136,7 @@ class Links:
         link = self._links.get(slot)
         if link is None:
             return None
-        reason = _state(link, self.clock())
+        reason = _state(link, self.clock(), self.unacknowledged)
         if reason is not None:
             self.lost[slot] = reason
             self._links.pop(slot).sock.close()
@@ -142,7 +172,7 @@ def _connect(address: str) -> socket.socket:
     return sock
 
 
-def _state(link: _Link, now: float) -> str | None:
+def _state(link: _Link, now: float, unacknowledged: Callable[[socket.socket], int]) -> str | None:
     """A link's verdict now (None: alive, or no answer yet for less than the limit)."""
     sock = link.sock
     if not link.connected:
@@ -153,6 +183,12 @@ def _state(link: _Link, now: float) -> str | None:
         if error:
             return reason_of(error) if error != errno.ECONNREFUSED else CLOSED
         link.connected = True
+    if not unacknowledged(sock):
+        link.unacknowledged_since = None
+    elif link.unacknowledged_since is None:
+        link.unacknowledged_since = now
+    elif now - link.unacknowledged_since > UNREACHABLE_AFTER:
+        return UNREACHABLE  # the peer's host acknowledged nothing for that long
     try:
         if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
             return CLOSED  # the peer's kernel closed it: its process or listener is gone
@@ -162,6 +198,8 @@ def _state(link: _Link, now: float) -> str | None:
         return reason_of(error.errno or errno.ECONNRESET)
     try:
         sock.send(b"\0", socket.MSG_DONTWAIT)
+        if link.unacknowledged_since is None:
+            link.unacknowledged_since = now
     except BlockingIOError:
         pass  # a full window: the peer's kernel still answers
     except OSError as error:

@@ -147,6 +147,7 @@ def replica_main(args: argparse.Namespace) -> int:
                     model(x).pow(2).mean().backward()
                     grads = [p.grad for p in model.parameters() if p.grad is not None]
                     flag = torch.tensor([1.0 if end_file.exists() else 0.0])
+                    began = time.time()
                     if grow.all_reduce_([*grads, flag]):
                         optim.step()
                         progress.step += 1
@@ -161,7 +162,13 @@ def replica_main(args: argparse.Namespace) -> int:
                             token=grow.token,
                         )
                     else:
-                        emit(replica, event="failed", epoch=decision.epoch, why=grow.failure)
+                        emit(
+                            replica,
+                            event="failed",
+                            epoch=decision.epoch,
+                            why=grow.failure,
+                            began=began,
+                        )
                     time.sleep(args.pace)
         except LostRankError as error:
             emit(replica, event="lost", token=grow.token, message=str(error))
@@ -287,6 +294,7 @@ def direct(args: argparse.Namespace, procs: dict[int, subprocess.Popen[bytes]]) 
         del regrown
     (shared() / "end").touch()
     return {
+        "load average": os.getloadavg(),
         "cuts": args.cuts,
         "cut -> first step without replica 2 (s)": detections,
         "median (s)": statistics.median(detections) if detections else None,

@@ -92,7 +92,7 @@ def test_a_connect_that_no_one_answers_is_unreachable_after_the_limit() -> None:
     """A listener whose accept queue is full drops the SYN, as a host cut off does."""
     now = [0.0]
     server = socket.create_server(("127.0.0.1", 0), backlog=0)
-    address = "127.0.0.1:{}".format(server.getsockname()[1])
+    address = f"127.0.0.1:{server.getsockname()[1]}"
     first = socket.create_connection(("127.0.0.1", server.getsockname()[1]))  # fills the queue
     links = Links(clock=lambda: now[0])
     try:
@@ -110,6 +110,39 @@ def test_a_connect_that_no_one_answers_is_unreachable_after_the_limit() -> None:
         links.close()
         first.close()
         server.close()
+
+
+def test_a_byte_unacknowledged_for_the_limit_is_unreachable_whatever_the_kernel_waits() -> None:
+    """The verdict does not wait for the kernel's first retransmission (a whole
+    retransmission timeout, seconds on a loaded machine): a byte in flight for longer
+    than UNREACHABLE_AFTER makes the slot unreachable; an acknowledgement resets it."""
+    child, address = _listening_child()
+    now, in_flight = [0.0], [0]
+    links = Links(clock=lambda: now[0], unacknowledged=lambda sock: in_flight[0])
+    try:
+        links.retarget({SLOT: address})
+        for _ in range(100):  # the connect completes (loopback)
+            if links.check(SLOT) is None and links._links[SLOT].connected:
+                break
+            time.sleep(0.01)
+        in_flight[0] = 1  # the byte sent at 0 (the last check) is never acknowledged
+        verdicts = []
+        for t in (0.1, 0.5, UNREACHABLE_AFTER):
+            now[0] = t
+            verdicts.append(links.check(SLOT))
+        assert verdicts == [None, None, None]  # in flight since 0: not over the limit yet
+        in_flight[0] = 0  # acknowledged after all: slow, not lost
+        now[0] = UNREACHABLE_AFTER + 0.05
+        assert links.check(SLOT) is None  # and a new byte in flight from here
+        in_flight[0] = 1
+        now[0] = 2 * UNREACHABLE_AFTER + 0.05
+        assert links.check(SLOT) is None
+        now[0] = 2 * UNREACHABLE_AFTER + 0.06
+        assert links.check(SLOT) == UNREACHABLE
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        links.close()
 
 
 def test_a_slot_without_an_address_is_closed_and_old_links_are_let_go() -> None:
