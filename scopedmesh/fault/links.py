@@ -12,15 +12,16 @@ runs: a process that is stopped (SIGSTOP), descheduled or computing keeps its
 links alive, however long. A byte still unacknowledged :data:`UNREACHABLE_AFTER`
 seconds after it was sent (the kernel's count of unacknowledged bytes,
 ``SIOCOUTQ``), or a connect unanswered that long, makes the slot **unreachable**;
-the kernel ends such a link by itself too (``TCP_USER_TIMEOUT``; it checks only
-when a retransmission is due, and the first one waits a whole retransmission
-timeout, which a loaded machine's delayed acknowledgements stretch to seconds).
+the kernel ends such a link by itself too (``TCP_USER_TIMEOUT``), but only when
+a retransmission is due, and the first one waits a whole retransmission timeout
+(with that alone, one cut in eight took 4.5 s to be seen on a loaded machine).
 A link reset or closed by the peer's kernel (its process ended, or closed its
 listener) is **closed**: dead, as a refused probe. A verdict on an incarnation
 is final.
 
 Nothing is sent while no one waits: no thread, no store request, no traffic
-in a step that does not stall.
+in a step that does not stall. A loss leaves one thread behind, which holds the
+abandoned group until gloo's timeout ends its collective.
 
 >>> import errno
 >>> reason_of(errno.ETIMEDOUT), reason_of(errno.EHOSTUNREACH), reason_of(errno.ECONNRESET)
@@ -54,6 +55,7 @@ __all__ = [
     "Slot",
     "WatchedGroup",
     "reason_of",
+    "unacknowledged",
 ]
 
 CHECK_EVERY = 0.05  # seconds a wait lasts before (and between) checks of the links
