@@ -141,11 +141,14 @@ class SlotProbes:
 
     def gone(self, replica: int, coordinate: int, token: str) -> bool:
         """Probe incarnation ``token`` of a slot: True once its link failed or its port
-        refused (kept), or its address is gone (published before it announced; deleted by
+        refused (kept), or another slot of the incarnation is known dead, or its address is gone (published before it announced; deleted by
         its successor or the clean-up, once it is no member). A linked slot is judged by
         its link alone: a connect to a host cut off would wait :data:`PROBE_WAIT`."""
         key = (replica, coordinate, token)
         if key in self._dead:
+            return True
+        if any(r == replica and t == token for r, _, t in self._dead):
+            self._dead.add(key)  # another slot of that incarnation is: the replica is gone
             return True
         if self._links.linked(key) or key in self._links.lost:
             if self._links.check(key) is None:

@@ -181,6 +181,25 @@ def test_draining_a_slots_listener_closes_probes_and_keeps_links() -> None:
         links.close()
 
 
+def test_a_slot_of_an_incarnation_known_dead_is_dead_without_a_probe() -> None:
+    """Another coordinate's link found replica 2 unreachable: this slot's heal or
+    admission counts that incarnation dead at once, without a connect to a host that
+    may be cut off (it would wait a second)."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    probes = SlotProbes(store, ReplicaKeys(), "127.0.0.1")
+    live = socket.create_server(("127.0.0.1", 0))  # would answer a probe: alive
+    try:
+        store.set(ReplicaKeys().address(2, 0, "t"), f"127.0.0.1:{live.getsockname()[1]}")
+        assert probes.gone(2, 0, "t") is False
+        probes._dead.add((2, 1, "t"))  # what coordinate 1's link said
+        assert probes.gone(2, 0, "t") is True and probes.dead(2, 0, "t") is True
+        store.set(ReplicaKeys().address(2, 0, "new"), f"127.0.0.1:{live.getsockname()[1]}")
+        assert probes.gone(2, 0, "new") is False  # a new incarnation is judged anew
+    finally:
+        probes.close()
+        live.close()
+
+
 def test_the_cut_off_side_is_the_one_that_reaches_neither_its_peers_nor_the_store() -> None:
     store = "127.77.0.1:29500"
     assert cut_off(2, "t", [], store, None) is None  # nobody unreachable: an ordinary heal
