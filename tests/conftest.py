@@ -28,9 +28,9 @@ settings.load_profile("scopedmesh")
 
 
 # The marked lanes. Each is also `slow`, so the README's `-m "not slow"` leaves it
-# out; .ci/run runs them after it (`-m "launch or fault or soak"`). A test marked
-# `slow` alone is an at-length form (fuzzing, 1,000-cycle soaks), run by hand.
-LANES = ("launch", "fault", "soak")
+# out; .ci/run runs them after it (`-m "launch or fault or soak or hosts"`). A test
+# marked `slow` alone is an at-length form (fuzzing, 1,000-cycle soaks), run by hand.
+LANES = ("launch", "fault", "soak", "hosts")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -7,6 +7,11 @@ No heartbeat and no thread: a member probes a slot only while it waits for it
 as it waits. Each slot publishes its listener's address in the job's store
 (``ReplicaKeys.address``) before it announces itself.
 
+A host cut off from the network refuses nothing: the members of an epoch hold
+links to each other's listeners (:mod:`~scopedmesh.fault.links`), which tell an
+unreachable host within about a second, and a slot that finds its peers and
+the job's store unreachable knows it is the one cut off (:meth:`SlotProbes.check_reach`).
+
 >>> probe("127.0.0.1:1")  # nothing listens on port 1 here: refused, so gone
 True
 """
@@ -19,8 +24,11 @@ import time
 from typing import Any
 
 from scopedmesh.c10d.store import ReplicaKeys, read
+from scopedmesh.errors import LostRankError
+from scopedmesh.fault.links import UNREACHABLE, UNREACHABLE_AFTER, Links, Slot, WatchedGroup
+from scopedmesh.fault.membership import Decision
 
-__all__ = ["PROBE_EVERY", "PROBE_WAIT", "SlotProbes", "probe", "route_address"]
+__all__ = ["PROBE_EVERY", "PROBE_WAIT", "SlotProbes", "cut_off", "probe", "route_address"]
 
 PROBE_EVERY = 0.1  # seconds between two probes of one slot that has not answered yet
 PROBE_WAIT = 1.0  # seconds a probe's connect may take before it counts as "no answer yet"
@@ -50,17 +58,50 @@ def probe(address: str) -> bool | None:
         return None
 
 
+def cut_off(
+    replica: int, token: str, unreachable: list[int], store: str, answer: bool | None
+) -> str | None:
+    """Why this replica is the one cut off from the job, or None if it is not.
+
+    A replica whose links found members ``unreachable`` may be on either side of
+    a cut. The job's store (at ``store``) decides who goes on, on its side of
+    the cut: if it answered a probe (``answer`` False: it accepted; True: it
+    refused, so it is gone, and its requests fail by themselves) this replica
+    heals through it as after any failed step. If it answered nothing either
+    (``answer`` None), every request to it would wait for the cut to heal: this
+    replica is cut off, and the store's side goes on without it.
+
+    >>> cut_off(2, "f00", [0, 1], "127.77.0.1:29500", False) is None
+    True
+    >>> print(cut_off(2, "f00", [0, 1], "127.77.0.1:29500", None))  # doctest: +ELLIPSIS
+    replica 2 (incarnation f00) is cut off from the job: replicas [0, 1] are unreachable ... restart this replica to rejoin as a new incarnation
+    """
+    if not unreachable or answer is not None:
+        return None
+    return (
+        f"replica {replica} (incarnation {token}) is cut off from the job: replicas "
+        f"{unreachable} are unreachable (their hosts acknowledged nothing for "
+        f"{UNREACHABLE_AFTER:g} s) and so is the job's store at {store} (no answer within "
+        f"{PROBE_WAIT:g} s). The replicas on the store's side go on without this one "
+        f"(the store decides the job's membership, so this side never forms a job of its "
+        f"own); once the network is back, restart this replica to rejoin as a new incarnation"
+    )
+
+
 class SlotProbes:
     """This slot's listener (on the route to ``target``, the store's host), and what it
-    learned of the other slots' incarnations: dead once refused, for good."""
+    learned of the other slots' incarnations: dead once refused or unreachable, for good."""
 
     def __init__(self, store: Any, keys: ReplicaKeys, target: str) -> None:
         self._store, self._keys = store, keys
         self._listener = socket.create_server((route_address(target), 0), backlog=1024)
         self._listener.setblocking(False)
+        self._accepted: list[socket.socket] = []  # probes (end of file at once) and links
+        self._links = Links()
         self._probed: dict[tuple[int, int], float] = {}
-        self._dead: set[tuple[int, int, str]] = set()  # (replica, coordinate, token)
-        self._addresses: dict[tuple[int, int, str], str | None] = {}
+        self._dead: set[Slot] = set()  # (replica, coordinate, token)
+        self._addresses: dict[Slot, str | None] = {}
+        self.cut_off = False  # this slot found itself cut off from the job (check_reach)
 
     @property
     def address(self) -> str:
@@ -68,11 +109,24 @@ class SlotProbes:
         return "{}:{}".format(*self._listener.getsockname()[:2])
 
     def drain(self) -> None:
-        """Accept and close the probes queued on this slot's listener (never blocks)."""
+        """Accept what is queued on this slot's listener, close the probes (their end of
+        file comes at once) and read the links' bytes (never blocks)."""
         with contextlib.suppress(BlockingIOError, OSError):
             while True:
                 conn, _ = self._listener.accept()
+                conn.setblocking(False)
+                self._accepted.append(conn)
+        kept = []
+        for conn in self._accepted:
+            try:
+                while conn.recv(4096):
+                    pass
+                conn.close()  # end of file: a probe, or a link let go of
+            except BlockingIOError:
+                kept.append(conn)
+            except OSError:
                 conn.close()
+        self._accepted = kept
 
     def dead(self, replica: int, coordinate: int, token: str | None) -> bool:
         """Whether incarnation ``token`` of slot (``replica``, ``coordinate``) is known dead
@@ -86,11 +140,20 @@ class SlotProbes:
         return self.gone(replica, coordinate, token)
 
     def gone(self, replica: int, coordinate: int, token: str) -> bool:
-        """Probe incarnation ``token`` of a slot: True once its port refused (kept), or its
-        address is gone (published before it announced; deleted by its successor or the
-        clean-up, once it is no member)."""
+        """Probe incarnation ``token`` of a slot: True once its link failed or its port
+        refused (kept), or another slot of the incarnation is known dead, or its address is gone (published before it announced; deleted by
+        its successor or the clean-up, once it is no member). A linked slot is judged by
+        its link alone: a connect to a host cut off would wait :data:`PROBE_WAIT`."""
         key = (replica, coordinate, token)
         if key in self._dead:
+            return True
+        if any(r == replica and t == token for r, _, t in self._dead):
+            self._dead.add(key)  # another slot of that incarnation is: the replica is gone
+            return True
+        if self._links.linked(key) or key in self._links.lost:
+            if self._links.check(key) is None:
+                return False
+            self._dead.add(key)
             return True
         if self._addresses.get(key) is None:
             self._addresses[key] = read(self._store, self._keys.address(*key))
@@ -100,6 +163,58 @@ class SlotProbes:
             return True
         return False
 
+    def watch(self, pg: Any, decision: Decision, replica: int, coordinate: int) -> WatchedGroup:
+        """``pg``, ``decision``'s dp group along ``coordinate``, whose waits check links to
+        the group's other slots; this slot holds links to those (and to no other) now."""
+        addresses: dict[Slot, str | None] = {}
+        for r, token in decision.members:
+            slot = (r, coordinate, token)
+            if r != replica:
+                if self._addresses.get(slot) is None:
+                    self._addresses[slot] = read(self._store, self._keys.address(*slot))
+                addresses[slot] = self._addresses[slot]
+        self._links.retarget(addresses)
+        peers = list(addresses)
+
+        def check() -> str | None:
+            lost = {s: self._links.check(s) for s in peers}
+            named = [
+                f"replica {r} coordinate {c} is {why}" for (r, c, _), why in lost.items() if why
+            ]
+            self._dead.update(s for s, why in lost.items() if why)
+            if not named:
+                return None
+            return (
+                f"{'; '.join(named)} (unreachable: its host acknowledged nothing for "
+                f"{UNREACHABLE_AFTER:g} s; closed: its process ended)"
+            )
+
+        return WatchedGroup(pg, check)
+
+    def check_reach(self, replica: int, token: str, current: Decision) -> None:
+        """Before a heal's first store request: :class:`~scopedmesh.errors.LostRankError`
+        if a link found a member of ``current`` unreachable and the job's store answers no
+        probe either (:func:`cut_off`); a store without an address is not probed."""
+        unreachable = sorted(
+            {
+                r
+                for (r, _, t), why in self._links.lost.items()
+                if why == UNREACHABLE and current.token(r) == t
+            }
+        )
+        host, port = getattr(self._store, "host", None), getattr(self._store, "port", None)
+        if not unreachable or not isinstance(host, str) or not isinstance(port, int):
+            return
+        address = f"{host}:{port}"
+        message = cut_off(replica, token, unreachable, address, probe(address))
+        if message is not None:
+            self.cut_off = True
+            raise LostRankError(message)
+
     def close(self) -> None:
-        """Close the listener: this slot's probes are refused from now on."""
+        """Close the listener and the links: this slot's probes are refused from now on."""
         self._listener.close()
+        self._links.close()
+        for conn in self._accepted:
+            conn.close()
+        self._accepted = []

@@ -338,7 +338,8 @@ class Replicas:
         self._drops.finish()
         self._probes.close()
         with contextlib.suppress(Exception):
-            self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
+            if not self._probes.cut_off:  # a request to a store cut off would wait for the cut
+                self._store.delete_key(self.keys.address(self.replica, self.coordinate, self.token))
 
     def __enter__(self) -> Replicas:
         return self
@@ -456,6 +457,7 @@ class Replicas:
         """After a failed step: check in, wait until every slot of ``current`` checked in
         or one of its replica's slots is dead, then decide (or read) the next epoch."""
         self._pg = None
+        self._probes.check_reach(self.replica, self.token, current)  # cut off: LostRankError
         store, keys, nxt = self._store, self.keys, current.epoch + 1
         store.set(keys.checked_in(current.epoch, self.replica, self.coordinate), "1")
         waiting = [(r, c) for r in current.replicas for c in range(self.local)]
@@ -542,11 +544,19 @@ class Replicas:
                     deadline,
                     f"replicas {waiting} to form epoch {epoch} along coordinate {self.coordinate}",
                 )
-        self._pg = form_group(
+        pg = form_group(
             self.backend, store, keys, self._probes, decision, self.replica, self.coordinate,
             form_timeout=self._form_timeout, timeout=self._timeout,
         )  # fmt: skip
-        return self._pg is not None
+        if pg is None:
+            return False
+        # On gloo, the group's waits check the links to its peers (a cut-off host); an NCCL
+        # group's waits watch their peers themselves (dp_groups.DeviceGroup).
+        watched = self.backend == "gloo"
+        self._pg = (
+            self._probes.watch(pg, decision, self.replica, self.coordinate) if watched else pg
+        )
+        return True
 
     def _sync(self, pg: Any, decision: Decision) -> None:
         """The source replica's state along this coordinate: a broadcast to every member,
