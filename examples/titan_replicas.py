@@ -237,6 +237,7 @@ def train(
             batch = dims.get_optional_mesh("batch")
             loss_mesh = dims.get_optional_mesh("loss")
             state = {"model": Params(model), "optim": optim, "progress": progress}
+            constructed = time.time()
             with Replicas(store, replica=replica, replicas=replicas, state=state) as grow:
                 while True:
                     decision = grow.boundary()
@@ -269,7 +270,7 @@ def train(
                 members = grow.decision.replicas if grow.decision else ()
                 transfers = [(t.epoch, t.role, t.nbytes, t.seconds) for t in grow.transfers]
                 entered = list(grow.entered)
-            full = {k: v.full_tensor() for k, v in model.named_parameters()}
+            full = {k: v.detach().full_tensor() for k, v in model.named_parameters()}
             return {
                 "digest": digest(
                     {"model": Params(model).state_dict(), "optim": optim.state_dict()}
@@ -279,6 +280,7 @@ def train(
                 "transfers": transfers,
                 "entered": entered,
                 "started": started,
+                "constructed": constructed,
                 "commits": commits,
                 "full": full,
             }
@@ -288,22 +290,37 @@ def train(
 
 
 def replay(
-    history: list[tuple[int, tuple[int, ...], float]],
+    history: list[tuple[int, tuple[int, ...], float]], chunks: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``history`` in one process, unsharded: each step, the mean of the contributors'
     losses (each on its own batch), AdamW on the mean of their gradients; the losses and
-    the final weights."""
+    the final weights.
+
+    The sums run in the job's order: each replica's batch in ``chunks`` parts (FSDP2's
+    ranks: each its part, the replica's gradient their sum over ``chunks``), then the
+    sum over the contributors in their order, over their count."""
     model = build(None)
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    params = list(model.parameters())
+    optim = torch.optim.AdamW(params, lr=LR, foreach=False)
     losses = []
     for step, members, _ in history:
-        optim.zero_grad()
-        total = sum(loss_of(model, tokens_of(r, step)) for r in members)
-        assert isinstance(total, torch.Tensor)
-        mean = total / len(members)
-        mean.backward()
+        grads = [torch.zeros_like(p) for p in params]
+        loss = torch.zeros(())
+        for r in members:
+            mine = [torch.zeros_like(p) for p in params]
+            part = torch.zeros(())
+            for tokens in tokens_of(r, step).chunk(chunks):
+                value = loss_of(model, tokens)
+                for total, grad in zip(mine, torch.autograd.grad(value, params)):
+                    total += grad
+                part += value.detach()
+            for total, grad in zip(grads, mine):
+                total += grad / chunks
+            loss += part / chunks
+        for param, grad in zip(params, grads):
+            param.grad = grad / len(members)
         optim.step()
-        losses.append(float(mean.detach()))
+        losses.append(float(loss / len(members)))
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -372,6 +389,7 @@ def run(
         "killed": killed,
         "restarts": list(job.restarts),
         "failures": list(job.failures),
+        "tp": tp,
     }
 
 
@@ -404,7 +422,7 @@ def check(out: dict[str, Any], replicas: int, local_ranks: int, do_replay: bool)
         "restarted": [r for r, _ in out["restarts"]],
     }
     if do_replay:
-        losses, weights = replay(history)
+        losses, weights = replay(history, 1 if out["tp"] else local_ranks)
         recorded = torch.tensor([x for _, _, x in history])
         facts["recorded"] = recorded.tolist()
         facts["replayed"] = losses

@@ -71,7 +71,7 @@ def test_a_killed_torchtitan_replica_rejoins_equal_to_a_one_process_replay() -> 
     torch.testing.assert_close(recorded, replayed, rtol=LOSS_RTOL, atol=0)
     assert facts["weight_diff"] <= WEIGHT_ATOL, facts["weight_diff"]
     if runs != [full]:  # the bound tells schedules apart
-        wrong, _ = example.replay(_wrong(results[(0, 0)]["history"]))
+        wrong, _ = example.replay(_wrong(results[(0, 0)]["history"]), LOCAL)
         assert (recorded - torch.tensor(wrong)).abs().max() > LOSS_RTOL * recorded.abs().max()
     print(
         f"\nRELIABILITY titan replicas: killed {victim}, schedule {facts['schedule']}, "
