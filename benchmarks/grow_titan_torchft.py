@@ -269,17 +269,12 @@ def run(steps: int, bound: float, rng: random.Random) -> dict[str, Any]:
             command += ["--monitor-interval", "0.1", "-m", "benchmarks.grow_titan_torchft"]
             command += ["--worker", str(replica), "--steps", str(steps)]
             command += ["--assets", str(folder / "assets"), "--out", str(out)]
-            log = open(out / f"agent{replica}.log", "w")
-            agents.append(
-                subprocess.Popen(
-                    command,
-                    env=env,
-                    cwd=folder,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
+            with open(out / f"agent{replica}.log", "w") as log:  # the agent keeps its copy
+                agent = subprocess.Popen(
+                    command, env=env, cwd=folder, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )  # fmt: skip
-            )
+            agents.append(agent)
         deadline = time.monotonic() + bound
         killed: tuple[int, int, int, float] | None = None
         try:
