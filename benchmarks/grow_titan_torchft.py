@@ -1,38 +1,48 @@
 """torchtitan's own torchft trainer, killed and restarted, on CPU and gloo:
-``python -m benchmarks.grow_titan_torchft [--steps 60]`` (needs torchtitan 0.3.0 and torchft).
+``python -m benchmarks.grow_titan_torchft [--steps 120] [--sync-quorum] [--no-init-sync]``
+(needs torchtitan 0.3.0 and torchft 0.2.0).
 
 torchtitan 0.3.0's ``FaultTolerantTrainer`` (``torchtitan/experiments/torchft``:
 HSDP whose replicate dimension is torchft's dynamic replica group, a
 ``torchft.Manager`` per replica group, its ``TorchFTOptimizersContainer`` and its
 ``TorchFTCheckpointManager``, whose in-memory state dict a healing replica
-receives) on the same model as ``examples/titan_replicas.py``: llama3's debug
-model (6 layers, causal SDPA), 3 replica groups x 2 ranks (FSDP2 inside each),
-one ``torchrun --nproc-per-node 2 --max-restarts 3`` agent per replica group, a
-Lighthouse in this process (torchft's tests' values: join timeout and quorum
-tick 100 ms, heartbeat timeout 200 ms; ``min_replicas=2``).
+receives) on the model of ``examples/titan_replicas.py``: llama3's debug model
+(6 layers, causal SDPA), 3 replica groups x 2 ranks (FSDP2 inside each), one
+``torchrun --nproc-per-node 2 --max-restarts 3`` agent per replica group, a
+Lighthouse in this process (``min_replicas=2``; by default the values of
+``benchmarks.grow_torchft``: join timeout and quorum tick 100 ms, heartbeat
+timeout 200 ms). Once every group has committed 3 steps with all 3, a random rank
+of a random group other than 0 is SIGKILLed; its agent restarts the group. Each
+worker records, per ``should_commit``, its time, step, ``num_participants()`` and
+the verdict; the figures are ``benchmarks.grow``'s (death -> reduced, start ->
+full, the survivors' stall, equal state).
 
-It does not run on CPU as shipped: ``torchtitan.tools.utils`` sets
-``device_type = _get_available_device_type() or "cuda"``, and the trainer's
-``__init__`` calls ``torch.cuda.set_device`` ("RuntimeError: Found no NVIDIA
-driver on your system"). Each worker therefore sets ``device_type = "cpu"``
-(and ``device_module`` to ``torch.cpu`` with the device name, properties and
-memory statistics torchtitan's metrics ask for; the gloo backend follows) before torchtitan's
-other modules import it. The trainer also wants a tokenizer and the ``c4_test``
-dataset from torchtitan's source tree (not in the wheel): the launcher writes a
-word-level tokenizer and a small text set into a temporary folder. FlexAttention
-has no backward on CPU: the layers use causal SDPA, as in ``tests/titan``. And
-gloo has neither AVG nor PREMUL_SUM ("RuntimeError: Cannot use ReduceOp.PREMUL_SUM
-with Gloo" in FSDP2's reduce-scatter): FSDP2 is told to sum and divide, as
-``examples/titan_replicas.py`` does.
+It does not run on CPU as shipped, and each worker changes what it must:
 
-Once every replica group has committed steps with all 3, a random rank of a
-random group other than 0 is SIGKILLed; its agent restarts the group. Each worker
-records, per ``should_commit``, its time, step, ``num_participants()`` and the
-verdict. Printed: death -> the survivors' first commit without the dead group;
-the restarted process's start (and its trainer's construction) -> its first
-commit with 3 participants; the survivors' step around the rejoin over their
-median step; and whether every group ends with the same weights and optimizer
-state (a sha256 of each rank's local shards, per coordinate).
+- ``torchtitan.tools.utils`` sets ``device_type = _get_available_device_type() or
+  "cuda"``; the trainer's ``__init__`` calls ``torch.cuda.set_device``
+  ("RuntimeError: Found no NVIDIA driver on your system"). Each worker sets
+  ``device_type = "cpu"`` (and ``device_module`` to ``torch.cpu`` with the device
+  name, properties and memory statistics torchtitan's metrics ask for:
+  "AttributeError: module 'torch.cpu' has no attribute 'get_device_name'") before
+  torchtitan's other modules import them; the gloo backend follows.
+- The tokenizer and the ``c4_test`` set live in torchtitan's source tree, not in
+  the wheel: the launcher writes a word-level tokenizer and a small text set.
+- FlexAttention has no backward on CPU: causal SDPA, as in ``tests/titan``.
+- gloo has neither AVG nor PREMUL_SUM ("RuntimeError: Cannot use ReduceOp.PREMUL_SUM
+  with Gloo" in FSDP2's reduce-scatter): FSDP2 sums and divides, as
+  ``examples/titan_replicas.py`` does.
+
+Then it trains, and fails at its first heal (docs/torchtitan.md quotes each run):
+a source replica serves its state from torchft's quorum thread, and torchtitan's
+model ``state_dict`` hook (``_split_qkv_on_save``) redistributes the fused
+``wqkv`` DTensor, a collective on the replica's FSDP2 group, while the training
+thread runs FSDP2's own collectives on it: gloo aborts the source ("op.preamble.length
+<= op.nbytes ... Is there a distributed collective mismatch"). ``--sync-quorum``
+(torchft's ``use_async_quorum=False``, set on the Manager after the trainer made
+it) keeps the training thread out of the way; ``--no-init-sync`` skips the heal
+at step 0. The launcher prints each distinct error line of the agents' logs when
+the job never trains whole.
 """
 
 from __future__ import annotations
@@ -54,9 +64,7 @@ from pathlib import Path
 from typing import Any
 
 REPLICAS, LOCAL = 3, 2
-LIGHTHOUSE = {"join_timeout_ms": 100, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 1000}
-SYNC_QUORUM = os.environ.get("TITAN_FT_ASYNC_QUORUM") != "1"
-INIT_SYNC = os.environ.get("TITAN_FT_INIT_SYNC") == "1"
+LIGHTHOUSE = {"join_timeout_ms": 100, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 200}
 SEQ, BATCH = 16, 2  # tokens per sequence; sequences per rank per step (4 per replica)
 
 
@@ -143,7 +151,9 @@ def _parallelize_summing(model: Any, **kwargs: Any) -> Any:
     return model
 
 
-def worker(replica: int, steps: int, assets: str, out: str) -> None:
+def worker(
+    replica: int, steps: int, assets: str, out: str, sync_quorum: bool, init_sync: bool
+) -> None:
     started = time.time()
     _on_cpu()
     import torch
@@ -183,10 +193,10 @@ def worker(replica: int, steps: int, assets: str, out: str) -> None:
     built = time.time()
     trainer = config.build()
     manager = trainer.ft_manager.manager
-    if SYNC_QUORUM:
-        manager._use_async_quorum = False  # the quorum (and a source's state_dict) waited for
-    if not INIT_SYNC:
-        manager._init_sync = False  # no heal at step 0: every group starts from one seed
+    if sync_quorum:  # the quorum, and a source's state_dict, on the loop's time
+        manager._use_async_quorum = False
+    if not init_sync:  # no heal at step 0: every group starts from one seed
+        manager._init_sync = False
     commits: list[list[Any]] = []
     record = Path(out, f"r{replica}c{rank}-{os.getpid()}.json")
 
@@ -248,10 +258,24 @@ def _records(out: Path) -> dict[tuple[int, int, int], dict[str, Any]]:
     return found
 
 
-def run(steps: int, bound: float, rng: random.Random) -> dict[str, Any]:
+def _errors(out: Path) -> str:
+    """Each distinct error line of the agents' logs, with how often it came."""
+    marks = ("Error:", "Error ", "what():", "Fatal Python error", "Timed out", "timeout")
+    found: dict[str, int] = {}
+    for path in sorted(out.glob("agent*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if any(m in line for m in marks) and "lspci" not in line:
+                key = line.split("] ", 1)[-1][:300] if line.startswith("[rank") else line[:300]
+                found[key] = found.get(key, 0) + 1
+    return "\n".join(f"{n:4} x {line}" for line, n in found.items())
+
+
+def run(
+    steps: int, bound: float, rng: random.Random, lighthouse_ms: dict[str, int], flags: list[str]
+) -> dict[str, Any]:
     from torchft._torchft import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, **LIGHTHOUSE)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, **lighthouse_ms)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -268,7 +292,7 @@ def run(steps: int, bound: float, rng: random.Random) -> dict[str, Any]:
             command += ["--nproc-per-node", str(LOCAL), "--max-restarts", "3"]
             command += ["--monitor-interval", "0.1", "-m", "benchmarks.grow_titan_torchft"]
             command += ["--worker", str(replica), "--steps", str(steps)]
-            command += ["--assets", str(folder / "assets"), "--out", str(out)]
+            command += ["--assets", str(folder / "assets"), "--out", str(out), *flags]
             with open(out / f"agent{replica}.log", "w") as log:  # the agent keeps its copy
                 agent = subprocess.Popen(
                     command, env=env, cwd=folder, stdout=log, stderr=subprocess.STDOUT,
@@ -289,7 +313,11 @@ def run(steps: int, bound: float, rng: random.Random) -> dict[str, Any]:
 
             while not all(full_commits(r) >= 3 for r in range(REPLICAS)):
                 if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
-                    raise RuntimeError(f"the job did not start; see {out}/agent*.log")
+                    codes = [a.poll() for a in agents]
+                    raise RuntimeError(
+                        f"no 3 commits with all {REPLICAS} replica groups in every group "
+                        f"(agents' exit codes {codes}, None: running)"
+                    )
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 1.0))
             victim = (rng.randrange(1, REPLICAS), rng.randrange(LOCAL))
@@ -299,8 +327,7 @@ def run(steps: int, bound: float, rng: random.Random) -> dict[str, Any]:
             for agent in agents:
                 agent.wait(max(1.0, deadline - time.monotonic()))
         except (subprocess.TimeoutExpired, RuntimeError) as error:
-            logs = {p.name: p.read_text()[-3000:] for p in out.glob("agent*.log")}
-            raise RuntimeError(f"{error}; agents' logs' ends: {logs}") from error
+            raise RuntimeError(f"{error}; the agents' errors:\n{_errors(out)}") from error
         finally:
             for agent in agents:
                 if agent.poll() is None:
@@ -347,18 +374,43 @@ def main() -> None:
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kills", type=int, default=1, help="runs, one kill each")
+    parser.add_argument("--bound", type=float, default=600.0, help="seconds for one run")
+    parser.add_argument(
+        "--sync-quorum",
+        action="store_true",
+        help="torchft's quorum waited for (not in the background)",
+    )
+    parser.add_argument("--no-init-sync", action="store_true", help="no heal at step 0")
+    parser.add_argument("--join-timeout-ms", type=int, default=LIGHTHOUSE["join_timeout_ms"])
+    parser.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=LIGHTHOUSE["heartbeat_timeout_ms"]
+    )
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.steps, args.assets, args.out)
+        worker(
+            args.worker, args.steps, args.assets, args.out, args.sync_quorum, not args.no_init_sync
+        )
         return
+    flags = ["--sync-quorum"] * args.sync_quorum + ["--no-init-sync"] * args.no_init_sync
+    lighthouse_ms = dict(
+        LIGHTHOUSE,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
     load = os.getloadavg()
     print(
         f"torchtitan's torchft trainer: {REPLICAS} replica groups x {LOCAL} ranks (FSDP2), "
-        f"llama3 debug model, gloo, {args.steps} steps; load {load[0]:.1f}/{load[1]:.1f}"
+        f"llama3 debug model, gloo, {args.steps} steps, Lighthouse {lighthouse_ms}, "
+        f"quorum {'sync' if args.sync_quorum else 'async'}, init_sync {not args.no_init_sync}; "
+        f"load {load[0]:.1f}/{load[1]:.1f}"
     )
     rng = random.Random()
     for i in range(1, args.kills + 1):
-        row = figures(run(args.steps, 900.0, rng))
+        try:
+            row = figures(run(args.steps, args.bound, rng, lighthouse_ms, flags))
+        except RuntimeError as error:  # the job never trained whole: say why, and stop
+            print(f"kill {i}: no figures: {error}")
+            sys.exit(1)
         print(
             f"kill {i} {row['victim']}: death->reduced {row['death_to_reduced']}, "
             f"start->full {row['start_to_full']:.3f} s (trainer built->full "
