@@ -65,7 +65,13 @@ from typing import Any
 
 REPLICAS, LOCAL = 3, 2
 LIGHTHOUSE = {"join_timeout_ms": 100, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 200}
-SEQ, BATCH = 16, 2  # tokens per sequence; sequences per rank per step (4 per replica)
+SEQ, BATCH = 16, 2
+# A worker's failure, in its agent's log: the run stops there.
+FATAL = (
+    "Fatal Python error",
+    "got exception in recovery",
+    "ChildFailedError",
+)  # tokens per sequence; sequences per rank per step (4 per replica)
 
 
 # ------------------------------------------------------------------ the worker
@@ -260,7 +266,15 @@ def _records(out: Path) -> dict[tuple[int, int, int], dict[str, Any]]:
 
 def _errors(out: Path) -> str:
     """Each distinct error line of the agents' logs, with how often it came."""
-    marks = ("Error:", "Error ", "what():", "Fatal Python error", "Timed out", "timeout")
+    marks = (
+        "Error:",
+        "Error ",
+        "what():",
+        "Fatal Python error",
+        "Timed out",
+        "timeout",
+        "exception",
+    )
     found: dict[str, int] = {}
     for path in sorted(out.glob("agent*.log")):
         for line in path.read_text(errors="replace").splitlines():
@@ -312,13 +326,18 @@ def run(
                 )
 
             while not all(full_commits(r) >= 3 for r in range(REPLICAS)):
-                if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+                failed = any(m in _errors(out) for m in FATAL)
+                if (
+                    failed
+                    or time.monotonic() > deadline
+                    or any(a.poll() is not None for a in agents)
+                ):
                     codes = [a.poll() for a in agents]
                     raise RuntimeError(
                         f"no 3 commits with all {REPLICAS} replica groups in every group "
                         f"(agents' exit codes {codes}, None: running)"
                     )
-                time.sleep(0.05)
+                time.sleep(0.5)  # each look reads the agents' logs
             time.sleep(rng.uniform(0.0, 1.0))
             victim = (rng.randrange(1, REPLICAS), rng.randrange(LOCAL))
             pid = max(p for (r, c, p) in _records(out) if (r, c) == victim)
