@@ -284,6 +284,37 @@ def _errors(out: Path) -> str:
     return "\n".join(f"{n:4} x {line}" for line, n in found.items())
 
 
+def _tally(out: Path) -> str:
+    """Per replica group (its rank 0, every incarnation): the commits by participants."""
+    tally: dict[int, dict[str, int]] = {}
+    for (r, c, _), rec in sorted(_records(out).items()):
+        if c == 0:
+            for _, _, n, ok in rec["commits"]:
+                key = f"{n} participants" if ok else "not committed"
+                tally.setdefault(r, {})[key] = tally.setdefault(r, {}).get(key, 0) + 1
+    return f"steps per replica group: {tally}"
+
+
+def _stop(agents: list[subprocess.Popen[bytes]], out: Path) -> None:
+    """End every agent and every worker: SIGTERM (an agent stops its workers), then SIGKILL
+    for what is left (workers run in sessions of their own: by the pids they recorded)."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.terminate()
+    for agent in agents:
+        try:
+            agent.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    for _, _, pid in _records(out):
+        try:  # only a worker of this run: a pid may have been reused since
+            if str(out) in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def run(
     steps: int, bound: float, rng: random.Random, lighthouse_ms: dict[str, int], flags: list[str]
 ) -> dict[str, Any]:
@@ -335,7 +366,7 @@ def run(
                     codes = [a.poll() for a in agents]
                     raise RuntimeError(
                         f"no 3 commits with all {REPLICAS} replica groups in every group "
-                        f"(agents' exit codes {codes}, None: running)"
+                        f"(agents' exit codes {codes}, None: running); {_tally(out)}"
                     )
                 time.sleep(0.5)  # each look reads the agents' logs
             time.sleep(rng.uniform(0.0, 1.0))
@@ -348,10 +379,7 @@ def run(
         except (subprocess.TimeoutExpired, RuntimeError) as error:
             raise RuntimeError(f"{error}; the agents' errors:\n{_errors(out)}") from error
         finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                    agent.wait()
+            _stop(agents, out)
             lighthouse.shutdown()
         return {"records": _records(out), "killed": killed, "codes": [a.returncode for a in agents]}
 
