@@ -314,7 +314,8 @@ class WatchKeys:
     ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/lost', 'scopedmesh-watch/1/tags',
      'scopedmesh-watch/1/stops', 'scopedmesh-watch/1/agree/t/decision',
      'scopedmesh-watch/1/agree/t/in', 'scopedmesh-watch/1/agree/t/appended',
-     'scopedmesh-watch/1/addr/0', 'scopedmesh-watch/1/wake/0', 'scopedmesh-watch/1/declared/0']
+     'scopedmesh-watch/1/agree/t/look', 'scopedmesh-watch/1/addr/0',
+     'scopedmesh-watch/1/wake/0', 'scopedmesh-watch/1/declared/0']
     """
 
     prefix: str

@@ -9,8 +9,8 @@ short of a member or its decision short of a death.
 >>> import torch.distributed as dist
 >>> store = dist.HashStore()
 >>> one = Agreement(store, AgreementKeys("t"), [0], 0)
->>> one.check_in(); one.poll(frozenset(), frozenset)
-frozenset()
+>>> one.check_in(), one.poll(frozenset(), frozenset)
+(1, frozenset())
 
 An agreement on a failed step carries each survivor's count of committed
 steps (``rank:alive/12``); the decision then holds the highest one
