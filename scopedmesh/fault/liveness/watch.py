@@ -473,12 +473,14 @@ class LivenessWatch:
     def _on_deaths(self, new: set[int]) -> None:
         """Abort the guarded meshes the ``new`` deaths hit; the ring's thread settles them."""
         self._guard.hit(new)
-        self._ring.nudge()
+        if self._guard.unsettled():
+            self._ring.nudge()
 
     def _on_stops(self, stops: set[tuple[int, int]]) -> None:
         """Abort the guarded meshes that hold a rank whose step raised (``(rank, attempt)``)."""
         self._guard.stop(stops)
-        self._ring.nudge()
+        if self._guard.unsettled():
+            self._ring.nudge()
 
     def _report(self, what: str, error: BaseException) -> None:
         """Record a failure the thread survives, for the next query."""
