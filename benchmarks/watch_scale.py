@@ -2,6 +2,7 @@
 
     python -m benchmarks.watch_scale                      # 256, 1024 and 4096 members
     python -m benchmarks.watch_scale --sizes 1024 --kills 20
+    python -m benchmarks.watch_scale --sizes 4096 --idle-only   # the idle load alone
 
 One real ``TCPStore`` (this process), and worker processes
 (:mod:`benchmarks.watch_members`) hosting the members: most in processes of up
@@ -137,6 +138,11 @@ def run_size(size: int, args: argparse.Namespace) -> dict[str, Any]:
     time.sleep(args.idle)
     after = sum(a["requests"] for a in _ask_all(workers, "count"))
     row["idle_per_s"] = round((after - before) / args.idle, 1)
+    if args.idle_only:
+        _ask_all(workers, "close")
+        for worker in workers:
+            worker.process.wait(timeout=300)
+        return row
     singles = [w for w in workers if len(w.members) > NODE]
     node_workers = [w for w in workers if len(w.members) == NODE]
     lost: set[int] = set()
@@ -213,6 +219,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=6, help="node processes of 8 members")
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of idle counted")
     parser.add_argument("--interval", type=float, default=0.02)
+    parser.add_argument("--idle-only", action="store_true", help="start, count idle, close")
     parser.add_argument("--resolver", choices=["private", "system"], default="private")
     args = parser.parse_args()
     if args.resolver == "private" and os.geteuid() == 0 and shutil.which("unshare"):
