@@ -293,10 +293,10 @@ class ProcessGroupMesh:
         """The liveness watch that says which peers of this mesh's formations are lost."""
         return self._table.liveness
 
-    def set_liveness(self, liveness: Liveness | None, thread: threading.Thread | None) -> None:
-        """Formations ask ``liveness`` who is lost; ``thread`` has store clients of its own."""
+    def set_liveness(self, liveness: Liveness | None, *threads: threading.Thread) -> None:
+        """Formations ask ``liveness`` who is lost; ``threads`` have store clients of their own."""
         self._table.liveness = liveness
-        if thread is not None:
+        for thread in threads:
             self._table.store_use.declare_own_clients(thread)
 
     def __del__(self) -> None:

@@ -41,11 +41,11 @@ class Guard:
         self,
         mesh: ProcessGroupMesh,
         liveness: Liveness,
-        thread: threading.Thread,
+        threads: tuple[threading.Thread, ...],
         lost: Callable[[], frozenset[int]],
         since: int = 0,
     ) -> None:
-        """Guard ``mesh`` for ``liveness`` (whose ``thread`` has store clients of its own);
+        """Guard ``mesh`` for ``liveness`` (whose ``threads`` have store clients of their own);
         abort it at once if it holds a rank in ``lost()``.
 
         ``lost()`` is read once ``mesh`` is registered: a death learned before that
@@ -57,7 +57,7 @@ class Guard:
         self.meshes = (*[m for m in self.meshes if not m.closed], mesh)
         self._since = {id(m): self._since.get(id(m), since) for m in self.meshes}
         self._since[id(mesh)] = since  # never a dropped mesh's, whose id it may reuse
-        mesh.set_liveness(liveness, thread)  # formations ask it; never uses torch's client
+        mesh.set_liveness(liveness, *threads)  # formations ask it; never use torch's client
         self.settle()
         dead = lost().intersection(mesh.layout.ranks)
         if dead:
@@ -100,7 +100,7 @@ class Guard:
         """Let go of every mesh: their formations stop asking ``liveness``."""
         for mesh in self.meshes:
             if mesh.liveness is liveness:
-                mesh.set_liveness(None, None)
+                mesh.set_liveness(None)
         self.meshes = ()
 
     def _abort(self, mesh: ProcessGroupMesh, dead: Iterable[int]) -> None:

@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch.distributed as dist
 
@@ -51,6 +51,7 @@ from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
 __all__ = ["MAX_INTERVAL", "LivenessWatch", "check_interval", "key_names"]
 
+_P = ParamSpec("_P")
 MAX_INTERVAL = 60.0  # seconds: an interval longer than this is a mistake, not a choice
 WAKE_WAIT = timedelta(hours=1)  # how long one server-side wait for news lasts (then again)
 
@@ -92,14 +93,14 @@ def _check_members(ranks: Iterable[int] | None, host: object, store: object) -> 
     return members
 
 
-def _weakly(method: Callable[[str, BaseException], None]) -> Callable[[str, BaseException], None]:
+def _weakly(method: Callable[_P, None]) -> Callable[_P, None]:
     """``method`` called through a weak reference: whoever holds the call keeps no watch alive."""
     ref = weakref.WeakMethod(method)
 
-    def call(what: str, error: BaseException) -> None:
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> None:
         bound = ref()
         if bound is not None:
-            bound(what, error)
+            bound(*args, **kwargs)
 
     return call
 
@@ -150,8 +151,8 @@ class LivenessWatch:
         self.prefix = f"{WATCH_ROOT}/{self._store.add(WatchKeys.counter(self.rank), 1)}"
         self.keys = WatchKeys(self.prefix)
         self._guard = Guard()
-        self._record = DeathRecord(
-            self.keys, self.rank, self._on_deaths, self._on_stops, ranks=self.ranks
+        self._record = DeathRecord(  # the record must not keep the watch alive
+            self.keys, self.rank, _weakly(self._on_deaths), _weakly(self._on_stops), self.ranks
         )
         self._events = 0
         self._tags: set[str] = set()  # the agreements this watch took part in
@@ -268,7 +269,9 @@ class LivenessWatch:
         check_error_handling(mesh.backend or dist.get_backend(), os.environ)  # None: WORLD's
         self._check_open()
         self._check_thread()
-        self._guard.add(mesh, self, self._thread, lambda: self._record.lost, self._events)
+        self._guard.add(
+            mesh, self, (self._thread, self._waiter), lambda: self._record.lost, self._events
+        )
         return mesh
 
     def step(self, mesh: ProcessGroupMesh, axis: Axis) -> Step:
