@@ -73,11 +73,13 @@ def aborted_from_the_watch(rank: int, world: int) -> dict[str, Any] | None:
         wait_for(lambda: False, 60, "the SIGKILL")  # killed while it waits
     wait_for(lambda: ("group_end", "") in [e[:2] for e in log.copy()], 30, "the abort")
     events = log.copy()
-    thread = watch._thread.ident
+    threads = {watch._thread.ident, watch._waiter.ident}  # the ring's, the store's
     out: dict[str, Any] = {
         "events": [what for what, _, _ in events],
         "aborted": sorted(name for what, name, _ in events if what == "abort"),
-        "on_watch_thread": all(ident == thread for _, _, ident in events),
+        # one group call, on one of the watch's threads (the ring's or the store's)
+        "on_watch_thread": len({ident for _, _, ident in events}) == 1
+        and all(ident in threads for _, _, ident in events),
         "held": sorted({names[g] for g in [*groups.values(), *_own(mesh)]}),
         "gloo_released": bool(getattr(gloo, "released", False)),
         "kept": {},

@@ -26,10 +26,10 @@ from scopedmesh.testing import run_world
 
 
 def test_the_watch_aborts_every_non_gloo_group_of_the_mesh_in_one_nccl_group_call() -> None:
-    """Rank 3 of a guarded 2 x 2 mesh is SIGKILLed by rank 0. On each survivor the watch's
-    thread aborts every group the mesh holds that is not gloo (its own, a view's, a
-    sub-mesh's, the group torch flattened for its DeviceMesh), all between one
-    _group_start and _group_end, and interrupts its gloo group. No handle kept from before
+    """Rank 3 of a guarded 2 x 2 mesh is SIGKILLed by rank 0. On each survivor one of the
+    watch's threads (the ring's or the store's) aborts every group the mesh holds that is
+    not gloo (its own, a view's, a sub-mesh's, the group torch flattened for its
+    DeviceMesh), all between one _group_start and _group_end, and interrupts its gloo group. No handle kept from before
     the abort reports success."""
     results = run_world(workers.aborted_from_the_watch, 4, allow_exit=[workers.VICTIM], timeout=240)
     assert results[workers.VICTIM] is None
