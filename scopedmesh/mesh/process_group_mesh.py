@@ -293,10 +293,10 @@ class ProcessGroupMesh:
         """The liveness watch that says which peers of this mesh's formations are lost."""
         return self._table.liveness
 
-    def set_liveness(self, liveness: Liveness | None, *threads: threading.Thread) -> None:
+    def set_liveness(self, liveness: Liveness | None, *threads: threading.Thread | None) -> None:
         """Formations ask ``liveness`` who is lost; ``threads`` have store clients of their own."""
         self._table.liveness = liveness
-        for thread in threads:
+        for thread in filter(None, threads):  # (liveness, None) as before: no thread
             self._table.store_use.declare_own_clients(thread)
 
     def __del__(self) -> None:
