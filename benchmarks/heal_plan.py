@@ -42,6 +42,7 @@ from scopedmesh import LostRankError, ProcessGroupMesh
 from scopedmesh.c10d.store import WATCH_ROOT as ROOT
 from scopedmesh.c10d.store import read
 from scopedmesh.fault.liveness.agreement import Agreement
+from scopedmesh.fault.liveness.deaths import parse_deaths
 from scopedmesh.fault.liveness.watch import LivenessWatch, key_names
 
 SHAPE = (2, 2, 2)
@@ -246,9 +247,13 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
 
 
 def _accounted(store: Any, watch: LivenessWatch, mesh: ProcessGroupMesh) -> dict[int, str | None]:
-    """How the step's agreement (the watch's latest) accounted for each rank of ``mesh``."""
+    """How the step's agreement (the watch's latest) accounted for each rank of ``mesh``:
+    as :func:`accounted_as`, or ``"listed dead"`` for a rank with no entry that the
+    store's list of deaths holds (an agreement writes no entry for it)."""
     keys = watch.keys.agreement(f"event{watch._events - 1}")
-    return {r: accounted_as(store, keys, r) for r in mesh.layout.ranks}
+    dead = parse_deaths(read(store, watch.keys.lost) or "")
+    states = {r: accounted_as(store, keys, r) for r in mesh.layout.ranks}
+    return {r: "listed dead" if s is None and r in dead else s for r, s in states.items()}
 
 
 def accounted_as(store: Any, keys: Any, rank: int) -> str | None:

@@ -302,8 +302,8 @@ def test_a_rank_that_checks_in_then_dies_had_checked_in() -> None:
     """Rank 6 checks in through the agreement's own protocol, then SIGKILLs itself.
 
     Every survivor reads, after agreeing, how the agreement accounted for each
-    member: rank 6 as ``alive`` (it checked in itself), rank 5 (killed before) as
-    ``lost`` (a survivor did); all decide {5, 6}.
+    member: rank 6 as ``alive`` (it checked in itself), rank 5 (killed before) by the
+    store's list of deaths (no entry is written for it); all decide {5, 6}.
     """
     from benchmarks import heal_plan
 
@@ -317,6 +317,6 @@ def test_a_rank_that_checks_in_then_dies_had_checked_in() -> None:
         assert "unexpected" not in reports[rank], reports[rank]["unexpected"]
         event = reports[rank]["events"][0]
         assert event["accounted"]["6"] == "alive", (rank, event["accounted"])
-        assert event["accounted"]["5"] == "lost", (rank, event["accounted"])
+        assert event["accounted"]["5"] == "listed dead", (rank, event["accounted"])
         assert event["lost"] == [5, 6], (rank, event)
     assert result["watch_keys"] == []

@@ -1,6 +1,6 @@
-"""The liveness watch at 256 members, run as a user runs the scale benchmark (the launch lane).
+"""The liveness watch at 128 members, run as a user runs the scale benchmark (the launch lane).
 
-``python -m benchmarks.watch_scale --sizes 256`` hosts 256 real watch members in
+``python -m benchmarks.watch_scale --sizes 128`` hosts 128 real watch members in
 worker processes (most in processes of 64, two nodes of 8), kills members and a
 node from outside, and has every survivor agree. Asserted are counts and
 outcomes, never times: an idle job asks nothing of the store; every death is
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def row() -> dict[str, Any]:
-    command = [sys.executable, "-m", "benchmarks.watch_scale", "--sizes", "256", "--kills", "5"]
-    command += ["--per-process", "64", "--nodes", "2", "--idle", "2"]
+    command = [sys.executable, "-m", "benchmarks.watch_scale", "--sizes", "128", "--kills", "5"]
+    command += ["--per-process", "64", "--nodes", "2", "--idle", "1"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -36,7 +36,7 @@ def row() -> dict[str, Any]:
     return result
 
 
-def test_an_idle_job_of_256_members_asks_nothing_of_the_store(row: dict[str, Any]) -> None:
+def test_an_idle_job_of_128_members_asks_nothing_of_the_store(row: dict[str, Any]) -> None:
     assert row["idle_per_s"] == 0
 
 

@@ -109,6 +109,7 @@ class Ring:
         self.record, self.report = record, report
         self.store: Any = None  # the thread's client, set by the watch
         self.relink_due: float | None = None  # since when a relink waits for the store
+        self.relink_failed = False  # whether this relink's first store error was reported
         self.listener = socket.create_server((host or route_address(), 0), backlog=len(ranks))
         self.wake_r, self.wake_w = socket.socketpair()
         self.peers: dict[socket.socket, list[Any]] = {}  # socket -> [rank or None, buffer]
@@ -151,7 +152,8 @@ class Ring:
         """Watch the next alive member after this one (thread only).
 
         A store error on the way is survived: the link is tried again every
-        interval, and reported once it has failed for the watch's ``timeout``.
+        interval; the first error of a relink is reported (it goes on), and again
+        once it has failed for the watch's ``timeout``.
         """
         if self.succ is not None:
             self.succ[1].close()
@@ -159,11 +161,13 @@ class Ring:
         first = self.relink_due if self.relink_due is not None else time.monotonic()
         try:
             self._link_next()
-            self.relink_due = None
+            self.relink_due, self.relink_failed = None, False
         except OSError:
             raise
         except Exception as error:  # the store: try again next interval
-            self.relink_due = first
+            if not self.relink_failed:
+                self.report("failed while relinking the ring (it goes on)", error)
+            self.relink_due, self.relink_failed = first, True
             if time.monotonic() - first >= self.timeout.total_seconds():
                 self.report("could not relink the ring, the store failing", error)
 
