@@ -41,9 +41,10 @@ from benchmarks.heal_common import (
 from scopedmesh import LostRankError, ProcessGroupMesh
 from scopedmesh.c10d.store import WATCH_ROOT as ROOT
 from scopedmesh.c10d.store import read
-from scopedmesh.fault.liveness.agreement import Agreement
+from scopedmesh.fault.liveness.agreement import Driver
 from scopedmesh.fault.liveness.deaths import parse_deaths
 from scopedmesh.fault.liveness.watch import LivenessWatch, key_names
+from scopedmesh.fault.protocol.agreement import Keys, agreement_name, check_in, members_key
 
 SHAPE = (2, 2, 2)
 NAMES = ("dp", "pp", "tp")
@@ -117,9 +118,11 @@ def _before_agreeing(
     die once checked in to it (``die_checked_in``), or be slow to arrive (``slow_agree``)."""
     if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
         # Checked in by the agreement's own protocol (what the step's exit does first).
-        keys = watch.keys.agreement(f"event{watch._events}")
         members = sorted(mesh.layout.ranks)
-        Agreement(store, keys, members, rank, committed=watch.committed).check_in()
+        key = members_key(members)
+        attempt, committed = watch._ledger.attempt(key), watch._ledger.committed.get(key, 0)
+        keys = _agreement_keys(watch, mesh, attempt)
+        Driver(store, watch._record).run(check_in(keys, rank, committed))
         _die(report, outdir, rank)
     time.sleep(plan.get("slow_agree", {}).get(str(rank), 0))
 
@@ -250,10 +253,16 @@ def _accounted(store: Any, watch: LivenessWatch, mesh: ProcessGroupMesh) -> dict
     """How the step's agreement (the watch's latest) accounted for each rank of ``mesh``:
     as :func:`accounted_as`, or ``"listed dead"`` for a rank with no entry that the
     store's list of deaths holds (an agreement writes no entry for it)."""
-    keys = watch.keys.agreement(f"event{watch._events - 1}")
+    keys = _agreement_keys(watch, mesh, watch._ledger.attempt(members_key(mesh.layout.ranks)) - 1)
     dead = parse_deaths(read(store, watch.keys.lost) or "")
     states = {r: accounted_as(store, keys, r) for r in mesh.layout.ranks}
     return {r: "listed dead" if s is None and r in dead else s for r, s in states.items()}
+
+
+def _agreement_keys(watch: LivenessWatch, mesh: ProcessGroupMesh, attempt: int) -> Keys:
+    """The keys of the agreement ``attempt`` of ``mesh``'s members under ``watch``."""
+    name = agreement_name(mesh.layout.ranks, f"event{attempt}")
+    return Keys(f"{watch.prefix}/agree/{name}")
 
 
 def accounted_as(store: Any, keys: Any, rank: int) -> str | None:

@@ -312,7 +312,7 @@ class WatchKeys:
     ('scopedmesh-watch/1/addr/3', 'scopedmesh-watch/1/lost', 'scopedmesh-watch/count/0')
     >>> keys.all([0], ["t", "t"])  # doctest: +NORMALIZE_WHITESPACE
     ['scopedmesh-watch/1/closed', 'scopedmesh-watch/1/lost', 'scopedmesh-watch/1/tags',
-     'scopedmesh-watch/1/stops', 'scopedmesh-watch/1/agree/t/decision',
+     'scopedmesh-watch/1/stops', 'scopedmesh-watch/1/asks', 'scopedmesh-watch/1/agree/t/decision',
      'scopedmesh-watch/1/agree/t/in', 'scopedmesh-watch/1/agree/t/appended',
      'scopedmesh-watch/1/agree/t/look', 'scopedmesh-watch/1/addr/0',
      'scopedmesh-watch/1/wake/0', 'scopedmesh-watch/1/declared/0']
@@ -327,7 +327,8 @@ class WatchKeys:
 
     @property
     def closed(self) -> str:
-        """How many members closed their watch (the last one cleans up)."""
+        """The members that closed their watch, as ``rank,`` entries (appended; once the
+        closed and the dead account for every member, the last one cleans up)."""
         return f"{self.prefix}/closed"
 
     @property
@@ -347,6 +348,12 @@ class WatchKeys:
         every watch then aborts its guarded meshes that hold that rank; the members are
         woken through :meth:`wake`)."""
         return f"{self.prefix}/stops"
+
+    @property
+    def asks(self) -> str:
+        """The steps a member is in doubt about, as ``members/attempt,`` entries (appended;
+        every member's watch answers for its rank with its count of committed steps)."""
+        return f"{self.prefix}/asks"
 
     def addr(self, rank: int) -> str:
         """``rank``'s ring listener (``host:port``); deleted when it leaves."""
@@ -369,7 +376,7 @@ class WatchKeys:
         """Every key the watches under this prefix over ``ranks`` can leave, given their
         agreement ``tags`` (each once; empty ones skipped); the per-rank counters are not
         among them."""
-        keys = [self.closed, self.lost, self.tags, self.stops]
+        keys = [self.closed, self.lost, self.tags, self.stops, self.asks]
         for tag in dict.fromkeys(tag for tag in tags if tag):
             keys += self.agreement(tag).all()
         ranks = list(ranks)

@@ -75,39 +75,3 @@ class _Counting:
             return attr(*args, **kwargs)
 
         return counted
-
-
-@pytest.mark.parametrize("members", [8, 1024])
-def test_an_agreement_poll_asks_1_request_per_member_whatever_the_size(members: int) -> None:
-    """Each waiting member's poll reads the counter of entries (one request), and the list
-    of entries every eighth poll (one more): 9 requests per 8 polls, whatever the size.
-    It was 2 a poll (a ``check`` of the decision and the counter's read), and before
-    that up to N per member (a ``check`` per missing member), N squared in all."""
-    import torch.distributed as dist
-
-    from scopedmesh.c10d.store import AgreementKeys
-    from scopedmesh.fault.liveness.agreement import REREAD_EVERY, Agreement
-
-    store = dist.HashStore()
-    ranks = list(range(members))
-    waiting = _Counting(store)
-    mine = Agreement(waiting, AgreementKeys("t"), ranks, 0)
-    mine.check_in()
-    for rank in ranks[1:-1]:  # every member but the last has checked in
-        Agreement(store, AgreementKeys("t"), ranks, rank).check_in()
-    waiting.requests = 0
-    polls = 2 * REREAD_EVERY
-    for _ in range(polls):
-        assert mine.poll(frozenset(), frozenset) is None
-    assert waiting.requests == polls + polls // REREAD_EVERY
-    # The last member is lost: the first survivor to learn it reads the list and
-    # appends its entry (an append and an add, once), and the same poll decides (a get
-    # of the deaths is the caller's read_deaths; the decision is one compare_set).
-    waiting.requests = 0
-    lost = frozenset({members - 1})
-    assert mine.poll(lost, lambda: lost) == lost
-    assert waiting.requests == 1 + 1 + 2 + 1
-    for rank in ranks[1:-1]:  # the others find its entry, and read the decision: 3 each
-        other = _Counting(store)
-        assert Agreement(other, AgreementKeys("t"), ranks, rank).poll(lost, lambda: lost) == lost
-        assert other.requests == 3

@@ -15,13 +15,21 @@ store) records when and why, and hands the new deaths to whoever must act on
 them (the guard).
 
 A member whose own step raised posts a *stop* the same way: an entry
-``rank:attempt,`` appended to ``<prefix>/stops``, then the same wake-up. Every
-watch hands each stop it learns, once, to whoever aborts the meshes holding
-that rank, without counting the rank as lost: its step fails everywhere, and
-nobody waits for its collectives' timeout (:class:`~scopedmesh.fault.liveness.step.Step`).
+``rank:members/attempt,`` appended to ``<prefix>/stops``, then the same
+wake-up. Every watch hands each stop it learns, once, to whoever aborts the
+meshes of those members that hold that rank, without counting the rank as
+lost: its step fails everywhere, and nobody waits for its collectives'
+timeout (:class:`~scopedmesh.fault.liveness.step.Step`). A member in doubt
+about a step posts an *ask* (``members/attempt,`` on ``<prefix>/asks``): each
+member's watch answers it for its rank (:mod:`~scopedmesh.fault.protocol.verdict`).
 
->>> parse_deaths("3:closed,5:unreachable,")
-{3: 'closed', 5: 'unreachable'}
+A member that **leaves** (its watch closed after an exception, ``SystemExit``
+or ``KeyboardInterrupt``) is listed like a death, with the reason ``left:``
+and the exception's type and message: every agreement and formation counts it
+gone at once, and the survivors' step names what it raised.
+
+>>> parse_deaths("3:closed,5:unreachable,2:left:ValueError: bad shape,")
+{3: 'closed', 5: 'unreachable', 2: 'left:ValueError: bad shape'}
 """
 
 from __future__ import annotations
@@ -33,10 +41,30 @@ from typing import Any
 
 from scopedmesh.c10d.store import WatchKeys, read
 
-__all__ = ["CLOSED", "UNREACHABLE", "DeathRecord", "parse_deaths", "parse_stops"]
+__all__ = [
+    "CLOSED",
+    "LEFT",
+    "UNREACHABLE",
+    "DeathRecord",
+    "departure",
+    "parse_asks",
+    "parse_deaths",
+    "parse_stops",
+]
 
 CLOSED = "closed"  # why a rank is lost: its connection closed without a goodbye
 UNREACHABLE = "unreachable"  # why a rank is lost: its host stopped answering
+LEFT = "left:"  # why a rank is gone: it left after an exception (its type and message follow)
+
+
+def departure(error: BaseException) -> str:
+    """The reason a member that leaves after ``error`` is listed with (one line, no comma).
+
+    >>> departure(ValueError("bad, shape"))
+    'left:ValueError: bad; shape'
+    """
+    text = f"{type(error).__name__}: {error}".replace(",", ";").replace("\n", " ")
+    return LEFT + text[:300]
 
 
 def parse_deaths(text: str) -> dict[int, str]:
@@ -48,15 +76,29 @@ def parse_deaths(text: str) -> dict[int, str]:
     return found
 
 
-def parse_stops(text: str) -> list[tuple[int, int]]:
-    """The store's list of stops (``"3:0,1:2,"``) as (rank, attempt), in posting order.
+def parse_stops(text: str) -> list[tuple[int, str, int]]:
+    """The store's list of stops (``"3:m4.0-3/0,"``) as (rank, members, attempt), in
+    posting order.
 
-    >>> parse_stops("3:0,1:2,")
-    [(3, 0), (1, 2)]
+    >>> parse_stops("3:m4.0-3/0,1:m2.0-1/2,")
+    [(3, 'm4.0-3', 0), (1, 'm2.0-1', 2)]
+    """
+    stops = []
+    for rank, _, where in (item.partition(":") for item in text.split(",") if item):
+        members, _, attempt = where.rpartition("/")
+        stops.append((int(rank), members, int(attempt)))
+    return stops
+
+
+def parse_asks(text: str) -> list[tuple[str, int]]:
+    """The store's list of asks (``"m4.0-3/2,"``) as (members, attempt), in posting order.
+
+    >>> parse_asks("m4.0-3/2,m2.0-1/0,")
+    [('m4.0-3', 2), ('m2.0-1', 0)]
     """
     return [
-        (int(rank), int(attempt))
-        for rank, _, attempt in (item.partition(":") for item in text.split(",") if item)
+        (members, int(attempt))
+        for members, _, attempt in (item.rpartition("/") for item in text.split(",") if item)
     ]
 
 
@@ -79,12 +121,15 @@ class DeathRecord:
         keys: WatchKeys,
         rank: int,
         on_new: Callable[[set[int]], None],
-        on_stop: Callable[[set[tuple[int, int]]], None] | None = None,
+        on_stop: Callable[[set[tuple[int, str, int]]], None] | None = None,
         ranks: tuple[int, ...] = (),
+        on_ask: Callable[[list[tuple[str, int]]], None] | None = None,
     ) -> None:
         self.keys, self.rank, self.on_new, self.ranks = keys, rank, on_new, ranks
-        self.on_stop = on_stop  # handed each new stop as (rank, attempt)
+        self.on_stop = on_stop  # handed each new stop as (rank, members, attempt)
+        self.on_ask = on_ask  # handed each new ask as (members, attempt)
         self._stops_seen = 0  # entries of the stops list handed over already
+        self._asks_seen = 0  # entries of the asks list handed over already
         self.lost: frozenset[int] = frozenset()
         self.why: dict[int, str] = {}  # rank -> CLOSED or UNREACHABLE, as its watcher saw it
         self.learned: dict[int, float] = {}  # rank -> time.time() this process learned it died
@@ -140,29 +185,45 @@ class DeathRecord:
         finally:
             self.learn({rank: reason})
 
+    def depart(self, store: Any, reason: str) -> None:
+        """List this rank as gone for ``reason`` (:func:`departure`) and wake the members:
+        it is leaving, so it learns nothing itself."""
+        store.append(self.keys.lost, f"{self.rank}:{reason},")
+        if int(store.add(self.keys.declared(self.rank), 1)) == 1:
+            self.wake(store, [r for r in self.ranks if r != self.rank])
+
     def read(self, store: Any) -> frozenset[int]:
         """Learn every death the store lists (one request); the lost set after."""
         self.learn(parse_deaths(read(store, self.keys.lost) or ""))
         return self.lost
 
-    def stop(self, store: Any, count: int) -> None:
-        """Post that this rank's step raised in attempt ``count`` (one append, then the
-        members' wake-up)."""
-        store.append(self.keys.stops, f"{self.rank}:{count},")
+    def stop(self, store: Any, members: str, attempt: int) -> None:
+        """Post that this rank's step on ``members`` raised in ``attempt`` (one append, then
+        the members' wake-up)."""
+        store.append(self.keys.stops, f"{self.rank}:{members}/{attempt},")
         self.wake(store)
 
-    def first_stop(self, store: Any, count: int) -> int | None:
-        """The rank whose stop of ``count`` was posted first, or None (one request)."""
+    def first_stop(self, store: Any, members: str, attempt: int) -> int | None:
+        """The rank whose stop of ``attempt`` on ``members`` was posted first, or None."""
         stops = parse_stops(read(store, self.keys.stops) or "")
-        return next((rank for rank, attempt in stops if attempt == count), None)
+        return next((r for r, m, a in stops if (m, a) == (members, attempt)), None)
 
-    def take(self, deaths: str, stops: str) -> None:
-        """Learn the store's lists of ``deaths`` and ``stops`` (read together at a wake-up):
-        the new deaths, then the stops posted since the last take (to ``on_stop``, once)."""
+    def ask(self, store: Any, members: str, attempt: int, ranks: Iterable[int]) -> None:
+        """Ask ``ranks`` to answer for ``attempt`` on ``members`` (one append, one wake-up)."""
+        store.append(self.keys.asks, f"{members}/{attempt},")
+        self.wake(store, [r for r in ranks if r != self.rank])
+
+    def take(self, deaths: str, stops: str, asks: str = "") -> None:
+        """Learn the store's lists of ``deaths``, ``stops`` and ``asks`` (read together at a
+        wake-up): the new deaths, then the stops and asks posted since the last take (to
+        ``on_stop`` and ``on_ask``, each once)."""
         self.learn(parse_deaths(deaths))
-        posted = parse_stops(stops)
+        posted, asked = parse_stops(stops), parse_asks(asks)
         with self._lock:
             new, self._stops_seen = posted[self._stops_seen :], max(self._stops_seen, len(posted))
+            questions, self._asks_seen = asked[self._asks_seen :], max(self._asks_seen, len(asked))
         if new and self.on_stop is not None:
             self.on_stop(set(new))
+        if questions and self.on_ask is not None:
+            self.on_ask(questions)
         self.notify()

@@ -35,7 +35,8 @@ class Guard:
         self.meshes: tuple[ProcessGroupMesh, ...] = ()
         self.aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
         self._warned = False  # whether add() has checked that groups are closable
-        self._since: dict[int, int] = {}  # id(mesh) -> the watch's agreements when guarded
+        # id(mesh) -> (its members' key, how many agreements they had held when guarded)
+        self._since: dict[int, tuple[str, int]] = {}
 
     def add(
         self,
@@ -43,15 +44,16 @@ class Guard:
         liveness: Liveness,
         threads: tuple[threading.Thread, ...],
         lost: Callable[[], frozenset[int]],
-        since: int = 0,
+        since: tuple[str, int] = ("", 0),
     ) -> None:
         """Guard ``mesh`` for ``liveness`` (whose ``threads`` have store clients of their own);
         abort it at once if it holds a rank in ``lost()``.
 
         ``lost()`` is read once ``mesh`` is registered: a death learned before that
         is in it, one learned after hits the registered mesh (:meth:`hit`), so
-        none falls between the two. ``since`` is how many agreements the watch had
-        held: stops of earlier attempts never abort ``mesh``.
+        none falls between the two. ``since`` names the mesh's members
+        (:func:`~scopedmesh.fault.protocol.agreement.members_key`) and how many
+        agreements they had held: stops of earlier attempts never abort ``mesh``.
         """
         self._warn_if_not_closable()
         self.meshes = (*[m for m in self.meshes if not m.closed], mesh)
@@ -71,14 +73,17 @@ class Guard:
             if hit and not mesh.closed:
                 self._abort(mesh, hit)
 
-    def stop(self, stops: Iterable[tuple[int, int]]) -> None:
+    def stop(self, stops: Iterable[tuple[int, str, int]]) -> None:
         """Abort the open guarded meshes that hold a rank whose step raised, ``(rank,
-        attempt)``: those guarded before that attempt's agreement, never one re-formed after
-        it (a stop the thread reads late must not abort the survivors' new mesh)."""
+        members, attempt)``: those over the same members guarded before that attempt's
+        agreement, never one re-formed after it (a stop the thread reads late must not
+        abort the survivors' new mesh), nor a mesh of other members."""
         for mesh in self.meshes:
-            since = self._since.get(id(mesh), 0)
+            key, since = self._since.get(id(mesh), ("", 0))
             hit = sorted(
-                {r for r, attempt in stops if attempt >= since}.intersection(mesh.layout.ranks)
+                {
+                    r for r, members, attempt in stops if members == key and attempt >= since
+                }.intersection(mesh.layout.ranks)
             )
             if hit and not mesh.closed:
                 mesh.abort(f"when rank(s) {hit} stopped the step (an exception in it)")

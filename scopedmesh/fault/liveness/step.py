@@ -21,23 +21,28 @@ How the verdict is reached, at the block's end, on each member:
    all the mesh's ranks. Completed, with no abort since: the step committed
    (all flags 0) or failed (one was not) on every member, alike.
 3. **Doubt.** A member whose vote did not complete (a death cut it short)
-   cannot know whether a peer's vote did. The survivors then agree through the
-   store (the watch's agreement), each carrying its count of committed steps;
-   a member in doubt whose flag was 0 commits if any survivor committed the
-   step (then every flag was 0), and fails it otherwise. The mesh is then
-   re-formed along ``axis`` around the lost ranks and guarded.
+   cannot know whether a peer's vote did. It asks every member to answer: each
+   member's watch checks in for its rank with its count of committed steps,
+   from the watch's own thread, so nobody waits for a peer's compute (an
+   answer fences that attempt there: its vote no longer commits). The
+   survivors agree through the store; a member in doubt whose flag was 0
+   commits if any survivor committed the step (then every flag was 0), and
+   fails it otherwise. The mesh is then re-formed along ``axis`` around the
+   lost ranks and guarded.
 
 A member whose block raised posts a *stop* through the watch and aborts the
 mesh (a ``RuntimeError``, a collective's error, first waits up to
-:data:`STOP_GRACE` for the watch to learn of a death behind it), so every member's collectives with it fail at once instead of waiting
-for their timeout (on NCCL too): every member then agrees, re-forms the mesh
-(with no rank lost, the same shape), and the exception is raised on the member
-that raised it, after the others know. A ``RuntimeError`` (what a collective
+:data:`STOP_GRACE` for the watch to learn of a death behind it), so every
+member's collectives with it fail at once instead of waiting for their
+timeout (on NCCL too): every member then agrees, re-forms the mesh (with no
+rank lost, the same shape), and the exception is raised on the member that
+raised it, after the others know. A ``RuntimeError`` (what a collective
 raises when a peer fails) is the step's failure, kept on ``error`` and not
-raised, unless it is this member's own twice over: it stopped the step first,
-with nobody lost, in two attempts of the same step in a row (a bug, which
-would otherwise be redone for ever). Any other exception is raised where it
-happened, once the step's verdict is known everywhere.
+raised, unless the step raised it here in two attempts in a row with nobody
+lost and this rank stopped the step first (a bug, which would otherwise be
+redone for ever). A member the agreement lost that *left* (its watch closed after an exception)
+fails the step everywhere with a ``StepError`` naming its exception. The
+rules are :mod:`scopedmesh.fault.protocol.verdict`'s.
 
 >>> Step.__name__
 'Step'
@@ -46,38 +51,38 @@ happened, once the step's verdict is known everywhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from scopedmesh.errors import StepError
 from scopedmesh.fault.heal import reform
+from scopedmesh.fault.protocol.verdict import NONE, OTHER, RUNTIME, STOP_GRACE, Verdict
 from scopedmesh.layout import Axis
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
 __all__ = ["STOP_GRACE", "Step", "StepWatch"]
-
-_OK, _FAILED = 0, 1  # a member's flag in the vote
-STOP_GRACE = 0.25  # seconds a collective's error waits for the watch to learn of a death
 
 
 class StepWatch(Protocol):
     """What a :class:`Step` needs of its liveness watch."""
 
     rank: int
-    committed: int
 
     def guard(self, mesh: ProcessGroupMesh) -> ProcessGroupMesh: ...
 
-    def _agree_on_step(self, mesh: ProcessGroupMesh) -> tuple[frozenset[int], int]: ...
+    def _verdict(
+        self,
+        mesh: ProcessGroupMesh,
+        raised: str,
+        can_vote: bool,
+        vote: Callable[[int], int | None],
+    ) -> Verdict: ...
 
-    _events: int
-    _first_stopped: int | None
-
-    def _post_stop(self, attempt: int) -> None: ...
-
-    def _first_stop(self, attempt: int) -> int | None: ...
+    def _moved(self, old: ProcessGroupMesh, new: ProcessGroupMesh) -> None: ...
 
 
 class Step:
@@ -119,45 +124,22 @@ class Step:
         self.error = exc
         if exc is not None and not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: not a step's failure
-        attempt = watch._events  # the same on every member: each failed step agrees once
-        if isinstance(exc, RuntimeError):  # a collective's error: is a death behind it?
-            _await_abort(mesh, STOP_GRACE)
-        if (exc is not None or self._vote_group is None) and not mesh.aborted:
-            # Maybe its first cause, or a rank that cannot vote: tell every member, before
-            # this rank's sockets close (so its stop is first), and never leave them waiting.
-            watch._post_stop(attempt)
-            why = (
-                "could not form the step's vote" if exc is None else f"raised {type(exc).__name__}"
-            )
-            mesh.abort(f"when rank {watch.rank}'s step {why}")
-        flag = _FAILED if exc is not None or not _synchronized() or mesh.aborted else _OK
-        outcome = self._vote(flag)
-        if outcome is not None and not mesh.aborted:  # decided alike on every member
-            self.committed = outcome == _OK
-            watch.committed += int(self.committed)
-            return False  # an exception of this rank's step is raised, after the vote
-        mine = watch.committed
-        self.lost, highest = watch._agree_on_step(mesh)
-        if highest > mine + 1 or (highest == mine + 1 and flag != _OK):
-            raise RuntimeError(  # the vote's rule makes this impossible; never go on from it
-                f"rank {watch.rank}: the members' counts of committed steps ({highest} against "
-                f"{mine} here, whose flag was {flag}) break the step's vote"
-            )
-        self.committed = highest == mine + 1  # a peer committed: every flag was 0
-        watch.committed = highest
+        raised = NONE if exc is None else RUNTIME if isinstance(exc, RuntimeError) else OTHER
+        if raised == NONE and not _synchronized() and not mesh.aborted:
+            mesh.abort(f"when rank {watch.rank}'s device failed to synchronise")
+        verdict = watch._verdict(mesh, raised, self._vote_group is not None, self._vote)
+        self.committed = verdict.committed
+        if not verdict.agreed:
+            return False  # decided by the vote; an exception of this rank's step is raised
+        self.lost = verdict.lost
         self.mesh = watch.guard(reform(mesh, self.lost, self._axis))
+        watch._moved(mesh, self.mesh)
         self.healed = True
-        if exc is None:
-            return True
-        if not isinstance(exc, RuntimeError):
-            return False  # not a collective's failure: this rank's own, raised here
-        # A collective's error is the step's failure. Raised only where it is this rank's
-        # own twice over: it stopped this step first, with nobody lost, in two attempts in a
-        # row (a peer's error that a stop or an abort explains does not repeat so).
-        first = not self.lost and watch._first_stop(attempt) == watch.rank
-        again = first and watch._first_stopped == mine
-        watch._first_stopped = mine if first else None
-        return not again
+        if verdict.error is not None:
+            raise StepError(f"rank {watch.rank}'s step failed: {verdict.error}") from exc
+        if verdict.raise_own:
+            return False  # this rank's own error: raised here, once every member knows
+        return True
 
     def _vote(self, flag: int) -> int | None:
         """The MAX of every member's flag, or None where the vote did not complete here."""
@@ -185,13 +167,6 @@ class Step:
     def __repr__(self) -> str:
         verdict = {None: "running", True: "committed", False: "failed"}[self.committed]
         return f"<Step on {self.mesh!r}: {verdict}>"
-
-
-def _await_abort(mesh: ProcessGroupMesh, seconds: float) -> None:
-    """Wait up to ``seconds`` for ``mesh`` to be aborted (the watch learning of a death)."""
-    deadline = time.monotonic() + seconds
-    while not mesh.aborted and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 def _vote_backend(mesh: ProcessGroupMesh) -> str | None:

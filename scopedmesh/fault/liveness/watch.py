@@ -40,11 +40,25 @@ from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read, wait_timed_out
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.fault.heal import reform
-from scopedmesh.fault.liveness.agreement import Agreement
-from scopedmesh.fault.liveness.deaths import UNREACHABLE, DeathRecord, parse_deaths
+from scopedmesh.fault.liveness.agreement import Driver, StepDriver
+from scopedmesh.fault.liveness.deaths import (
+    LEFT,
+    UNREACHABLE,
+    DeathRecord,
+    departure,
+    parse_deaths,
+)
 from scopedmesh.fault.liveness.guard import Guard
 from scopedmesh.fault.liveness.ring import UNREACHABLE_AFTER, Ring
 from scopedmesh.fault.liveness.step import Step
+from scopedmesh.fault.protocol import verdict as rules
+from scopedmesh.fault.protocol.agreement import (
+    Keys,
+    agreement,
+    agreement_name,
+    answer,
+    members_key,
+)
 from scopedmesh.layout import Axis
 from scopedmesh.layout.ints import is_int
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
@@ -152,13 +166,19 @@ class LivenessWatch:
         self.keys = WatchKeys(self.prefix)
         self._guard = Guard()
         self._record = DeathRecord(  # the record must not keep the watch alive
-            self.keys, self.rank, _weakly(self._on_deaths), _weakly(self._on_stops), self.ranks
+            self.keys,
+            self.rank,
+            _weakly(self._on_deaths),
+            _weakly(self._on_stops),
+            self.ranks,
+            on_ask=_weakly(self._on_asks),
         )
-        self._events = 0
-        self._tags: set[str] = set()  # the agreements this watch took part in
-        self.committed = 0  # the steps (:meth:`step`) committed through this watch
-        self._stepped = False  # whether step() was used: close() then leaves its count
-        self._first_stopped: int | None = None  # the step this rank stopped first, last attempt
+        self._tags: set[str] = set()  # the agreements this watch took part in (their names)
+        # Per set of members (members_key): agreements held, steps committed, answers
+        # given; the store thread answers while the caller's thread steps, so: a lock.
+        self._ledger = rules.Ledger()
+        self._ledger_lock = threading.Lock()
+        self._members: dict[str, list[int]] = {}  # members_key -> the members stepped on
         self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
         self._stopped = False  # whether the thread ended other than by close()
         self._failure_lock = threading.Lock()  # the thread reports, a caller takes
@@ -177,7 +197,7 @@ class LivenessWatch:
         self._waiting_store.set_timeout(self._timeout)
         self._closing = False  # set before the store thread is woken to stop
         try:
-            for listed in (self.keys.lost, self.keys.stops):  # a wake-up reads both at once
+            for listed in (self.keys.lost, self.keys.stops, self.keys.asks):  # read at once
                 self._store.append(listed, "")
             self._ring.join(self._store)
         except BaseException:
@@ -197,8 +217,14 @@ class LivenessWatch:
 
     # ------------------------------------------------------------------ queries
 
+    @property
+    def committed(self) -> int:
+        """The steps (:meth:`step`) committed through this watch, on every mesh."""
+        with self._ledger_lock:
+            return self._ledger.total()
+
     def lost(self) -> frozenset[int]:
-        """The members this process has learned are dead (never shrinks).
+        """The members this process has learned are dead or gone (never shrinks).
 
         Raises ``RuntimeError`` naming what happened if the watch's thread failed.
         """
@@ -228,6 +254,8 @@ class LivenessWatch:
         reason = self._record.why.get(rank) if rank in self._record.lost else None
         if reason is None:
             return None
+        if reason.startswith(LEFT):
+            return f"left the job after {reason.removeprefix(LEFT)} (its watch closed)"
         if reason == UNREACHABLE:
             return (
                 f"is unreachable (its host answered no keepalive probe of the liveness watch "
@@ -269,9 +297,10 @@ class LivenessWatch:
         check_error_handling(mesh.backend or dist.get_backend(), os.environ)  # None: WORLD's
         self._check_open()
         self._check_thread()
-        self._guard.add(
-            mesh, self, (self._thread, self._waiter), lambda: self._record.lost, self._events
-        )
+        key = members_key(mesh.layout.ranks)
+        with self._ledger_lock:
+            since = (key, self._ledger.attempt(key))
+        self._guard.add(mesh, self, (self._thread, self._waiter), lambda: self._record.lost, since)
         return mesh
 
     def step(self, mesh: ProcessGroupMesh, axis: Axis) -> Step:
@@ -288,23 +317,75 @@ class LivenessWatch:
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
         mesh.layout.axis_index(axis)  # an unknown axis is named before the step runs
         self._check_open()
-        self._members_of(mesh)
-        self._stepped = True
+        members = self._members_of(mesh)
+        key = members_key(members)
+        with self._ledger_lock:  # the store thread answers for the members stepped on
+            self._members[key] = members
+            self._ledger.committed.setdefault(key, 0)
         return Step(self, mesh, axis)
 
-    def _post_stop(self, attempt: int) -> None:
-        """Tell every member's watch that this rank's step raised (two requests); ``attempt``
-        numbers the step's attempt (the watch's count of agreements, alike on every member)."""
-        self._record.stop(self._store, attempt)
+    def _verdict(
+        self,
+        mesh: ProcessGroupMesh,
+        raised: str,
+        can_vote: bool,
+        vote: Callable[[int], int | None],
+    ) -> rules.Verdict:
+        """Run the verdict of a step on ``mesh`` (:func:`~scopedmesh.fault.protocol.verdict.
+        verdict`), carrying out its requests; ``vote`` takes part in the step's vote."""
+        self._check_open()
+        self._check_thread()
+        members = self._members_of(mesh)
+        key = members_key(members)
+        with self._ledger_lock:
+            attempt, mine = self._ledger.attempt(key), self._ledger.committed.get(key, 0)
+        name = agreement_name(members, f"event{attempt}")
+        do = StepDriver(
+            self._store,
+            self._record,
+            self._ledger,
+            self._ledger_lock,
+            mesh,
+            members,
+            vote=vote,
+            note=lambda: self._note_agreement(name),
+        )
+        steps = rules.verdict(
+            rank=self.rank,
+            members=members,
+            keys=Keys(f"{self.prefix}/agree/{name}"),
+            attempt=attempt,
+            mine=mine,
+            raised=raised,
+            can_vote=can_vote,
+            limit=self._timeout.total_seconds(),
+            tag=name,
+        )
+        outcome = Driver(self._store, self._record, do).run(steps)
+        if outcome.lost and self.rank in outcome.lost:
+            raise LostRankError(
+                f"rank {self.rank} was declared lost (lost ranks {sorted(outcome.lost)}): its "
+                "connections closed; it must not join the re-formed mesh"
+            )
+        return outcome
 
-    def _first_stop(self, attempt: int) -> int | None:
-        """The rank that posted the first stop of ``attempt``, or None (one request)."""
-        return self._record.first_stop(self._store, attempt)
+    def _moved(self, old: ProcessGroupMesh, new: ProcessGroupMesh) -> None:
+        """The members of ``old`` go on as ``new`` (re-formed): their count moves along."""
+        key, moved = members_key(old.layout.ranks), members_key(new.layout.ranks)
+        with self._ledger_lock:
+            self._ledger.moved(key, moved)
+            self._members[moved] = sorted(new.layout.ranks)
 
-    def _agree_on_step(self, mesh: ProcessGroupMesh) -> tuple[frozenset[int], int]:
-        """Agree on ``mesh``'s lost ranks and on the members' highest count of committed steps."""
-        lost, committed = self._agree(mesh, None, None, self.committed)
-        return lost, self.committed if committed is None else committed
+    def _note_agreement(self, name: str) -> None:
+        """Refuse a name used before; note it for the clean-up (one append)."""
+        if name in self._tags:
+            raise ValueError(
+                f"tag {name.partition('/')[2]!r} was used by an earlier agreement of this "
+                "watch, whose decision stands; give each agreement a new tag (or none: the "
+                "watch counts them)"
+            )
+        self._tags.add(name)
+        self._store.append(self.keys.tags, name + "\n")
 
     # ------------------------------------------------------------------ agreement
 
@@ -346,37 +427,33 @@ class LivenessWatch:
         if mesh is not None and not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh or None, got {shown(mesh)}")
         limit = self._timeout if timeout is None else check_timeout(timeout)
-        if tag is None:
-            tag = f"event{self._events}"
-        check_tag(tag)
-        if tag in self._tags:
-            raise ValueError(
-                f"tag {tag!r} was used by an earlier agreement of this watch, whose decision "
-                "stands; give each agreement a new tag (or none: the watch counts them)"
-            )
         members = self._members_of(mesh)
-        self._events += 1
-        self._tags.add(tag)
-        self._store.append(self.keys.tags, tag + "\n")
-        agreement = Agreement(
-            self._store, self.keys.agreement(tag), members, self.rank, committed=committed
-        )
-        # Deaths as known here, never raising: a failure of the thread that it survives is
-        # raised by the next query, not in the middle of an agreement this rank checked in to.
-        decision = agreement.await_decision(
-            lambda: self._record.lost,
-            lambda: self._record.read(self._store),
-            self._record,
-            lambda ranks: self._record.wake(self._store, ranks),
+        key = members_key(members)
+        if tag is None:
+            with self._ledger_lock:
+                tag = f"event{self._ledger.attempt(key)}"
+        check_tag(tag)
+        name = agreement_name(members, tag)
+        self._note_agreement(name)
+        with self._ledger_lock:
+            self._ledger.attempts[key] = self._ledger.attempt(key) + 1
+        steps = agreement(
+            Keys(f"{self.prefix}/agree/{name}"),
+            members,
+            self.rank,
+            committed=committed,
             limit=limit.total_seconds(),
             tag=tag,
         )
-        if self.rank in decision:
+        # Deaths as known here, never raising: a failure of the thread that it survives is
+        # raised by the next query, not in the middle of an agreement this rank checked in to.
+        outcome = Driver(self._store, self._record).run(steps)
+        if self.rank in outcome.lost:
             raise LostRankError(
-                f"rank {self.rank} was declared lost (lost ranks {sorted(decision)}): its "
+                f"rank {self.rank} was declared lost (lost ranks {sorted(outcome.lost)}): its "
                 "connections closed; it must not join the re-formed mesh"
             )
-        return decision, agreement.committed
+        return outcome.lost, outcome.committed
 
     def _members_of(self, mesh: ProcessGroupMesh | None) -> list[int]:
         """The ranks an agreement over ``mesh`` (None: the watch's) settles, or an error."""
@@ -452,7 +529,7 @@ class LivenessWatch:
                 self._failure, self._stopped = ("stopped waiting for news", error), True
 
     def _wait_on(self, key: str) -> None:
-        lists = [self.keys.lost, self.keys.stops]
+        lists = [self.keys.lost, self.keys.stops, self.keys.asks]
         limit = WAKE_WAIT.total_seconds()
         while not self._closing:
             try:
@@ -467,8 +544,8 @@ class LivenessWatch:
                     return
                 store = self._waiting_store  # read anew: a test may swap it while we wait
                 store.delete_key(key)  # before the read: news set after it wakes us again
-                deaths, stops = store.multi_get(lists)
-                self._record.take(deaths.decode(), stops.decode())
+                deaths, stops, asks = store.multi_get(lists)
+                self._record.take(deaths.decode(), stops.decode(), asks.decode())
             except Exception as error:  # keep waiting (the store may come back); say so
                 self._report("failed while waiting for news (it goes on)", error)
                 time.sleep(self._interval)
@@ -479,11 +556,34 @@ class LivenessWatch:
         if self._guard.unsettled():
             self._ring.nudge()
 
-    def _on_stops(self, stops: set[tuple[int, int]]) -> None:
-        """Abort the guarded meshes that hold a rank whose step raised (``(rank, attempt)``)."""
+    def _on_stops(self, stops: set[tuple[int, str, int]]) -> None:
+        """Abort the guarded meshes that hold a rank whose step raised (``(rank, members,
+        attempt)``)."""
         self._guard.stop(stops)
         if self._guard.unsettled():
             self._ring.nudge()
+
+    def _on_asks(self, asks: list[tuple[str, int]]) -> None:
+        """Answer each ask of a member in doubt (store thread): check in for this rank with
+        its count of committed steps, fencing the attempt (:meth:`Ledger.answer
+        <scopedmesh.fault.protocol.verdict.Ledger.answer>`), so that nobody waits on this
+        rank's compute."""
+        for key, attempt in asks:
+            self._answer(self._waiting_store, key, attempt)
+
+    def _answer(self, store: Any, key: str, attempt: int) -> None:
+        """Check in for this rank to ``attempt`` of the members ``key`` it steps on, if it is
+        at that attempt (it answered, or will agree itself, otherwise)."""
+        with self._ledger_lock:
+            members = self._members.get(key)
+            count = None if members is None else self._ledger.answer(key, attempt)
+        if members is None or count is None:
+            return
+        name = agreement_name(members, f"event{attempt}")
+        if name not in self._tags:  # the clean-up finds it (the caller's thread notes its own)
+            store.append(self.keys.tags, name + "\n")
+        keys = Keys(f"{self.prefix}/agree/{name}")
+        Driver(store, self._record).run(answer(keys, members, self.rank, committed=count))
 
     def _report(self, what: str, error: BaseException) -> None:
         """Record a failure the thread survives, for the next query."""
@@ -518,12 +618,13 @@ class LivenessWatch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close; a failure to close after an exception is a warning, never a replacement."""
+        """Close; after an exception, as a departure (:meth:`close`); a failure to close
+        after an exception is a warning, never a replacement."""
         if exc is None:
             self.close()
             return
         try:
-            self.close()
+            self.close(error=exc)
         except Exception as error:
             warnings.warn(
                 f"closing {self!r} after {type(exc).__name__} also failed: {error!r}",
@@ -531,8 +632,13 @@ class LivenessWatch:
                 stacklevel=2,
             )
 
-    def close(self) -> None:
+    def close(self, *, error: BaseException | None = None) -> None:
         """Stop: say goodbye to the peers, join the thread, close the sockets; idempotent.
+
+        With ``error`` (what ended this rank's work; ``with`` passes it), this rank
+        **leaves**: every member learns at once that it is gone and why, so no
+        agreement or formation waits for it, and their step raises
+        :class:`~scopedmesh.errors.StepError` naming ``error``'s type and message.
 
         The last member to close deletes the watch's keys (a per-rank counter
         of watches, ``<root>/count/<rank>``, stays, as group generations do).
@@ -547,8 +653,9 @@ class LivenessWatch:
         store = self._store
         with contextlib.suppress(Exception):
             store.set_timeout(_time_left(deadline))
-            if self._stepped:
-                self._leave_count()
+            self._leave_counts()
+            if error is not None:
+                self._record.depart(store, departure(error))
             store.delete_key(self.keys.addr(self.rank))  # a late connector sees "left"
         self._closing = True
         with contextlib.suppress(Exception):
@@ -567,16 +674,14 @@ class LivenessWatch:
         finally:
             self._store = self._ring.store = self._waiting_store = None  # closes the connections
 
-    def _leave_count(self) -> None:
-        """Check in to the agreement this rank would take part in next, with its count of
-        committed steps: a peer left in doubt about the last step (its vote was cut short)
-        learns from it whether that step committed, instead of waiting for this rank."""
-        tag = f"event{self._events}"
-        if tag in self._tags:
-            return
-        self._store.append(self.keys.tags, tag + "\n")
-        keys = self.keys.agreement(tag)
-        Agreement(self._store, keys, [self.rank], self.rank, committed=self.committed).check_in()
+    def _leave_counts(self) -> None:
+        """Answer the agreement this rank would take part in next on each set of members it
+        stepped on, with its count of committed steps: a peer left in doubt about the last
+        step (its vote was cut short) learns from it whether that step committed."""
+        with self._ledger_lock:
+            next_attempts = [(key, self._ledger.attempt(key)) for key in self._members]
+        for key, attempt in next_attempts:
+            self._answer(self._store, key, attempt)
 
     def _clean_up(self) -> None:
         """The last member to close (the lost ones never will) deletes the watch's keys.
@@ -589,13 +694,14 @@ class LivenessWatch:
         declaration counts. O(keys written), never O(members x tags).
         """
         store, keys = self._store, self.keys
-        closed = int(store.add(keys.closed, 1))
-        deaths = read(store, keys.lost)
-        dead = sorted(set(parse_deaths(deaths or "")).intersection(self.ranks))
-        if closed + len(dead) < len(self.ranks):
+        store.append(keys.closed, f"{self.rank},")
+        closed_text, deaths = store.multi_get([keys.closed, keys.lost])
+        closed = {int(r) for r in closed_text.decode().split(",") if r}
+        dead = sorted(set(parse_deaths(deaths.decode())).intersection(self.ranks))
+        if len(closed.union(dead)) < len(self.ranks):  # a rank both closed and dead: once
             return
         tags = read(store, keys.tags)
-        doomed = [keys.closed, keys.lost, keys.stops]
+        doomed = [keys.closed, keys.lost, keys.stops, keys.asks]
         doomed += [keys.tags] if tags is not None else []
         for tag in dict.fromkeys(tag for tag in (tags or "").split("\n") if tag):
             doomed += keys.agreement(tag).all(dead)

@@ -1,0 +1,317 @@
+"""A step's verdict, as a generator: what the step saw in, what to do out.
+
+:func:`verdict` runs at a guarded step's end (:class:`~scopedmesh.fault.liveness.step.Step`
+drives it; so does the simulation in the tests). It yields requests
+(:class:`IsAborted`, :class:`AwaitAbort`, :class:`PostStop`, :class:`AbortMesh`,
+:class:`Vote`, :class:`Commit`, :class:`Ask`, :class:`FirstStop`,
+:class:`Departed`, :class:`Agreed`, and the agreement's own) and returns a
+:class:`Verdict`. The :class:`Ledger` is one watch's memory of the steps, per
+set of members: how many agreements they held (the attempt), how many steps
+they committed, and the attempts this rank answered for while its step ran.
+
+The rules:
+
+1. A member whose block raised, or that cannot vote, posts a *stop* (every
+   member's mesh is aborted) unless its mesh is aborted already.
+2. The vote is the MAX of every member's flag (0: fine here). Completed, with
+   no abort since and no answer given for this attempt: the step committed
+   (all flags 0) or failed, alike on every member.
+3. **Doubt.** A member whose vote did not complete asks the others to answer
+   (their watches' threads check in with their counts of committed steps, so
+   nobody waits on a peer's compute; an answer *fences* the attempt: that
+   member's vote of it no longer commits) and agrees. It commits the step if
+   and only if a member committed it: the highest count is one above its own.
+4. After an agreement the step raises where it must: this rank's own
+   non-``RuntimeError`` exception; a :class:`~scopedmesh.errors.StepError`
+   where a member the agreement lost had left the job after an exception (its
+   type and message in the error); and a ``RuntimeError`` raised by this
+   rank's step in two attempts in a row, with nobody lost, where this rank
+   stopped the step first (a bug, never redone for ever).
+
+>>> ledger = Ledger()
+>>> ledger.answer("m2.0-1", 0), ledger.commit("m2.0-1", 0)
+(0, False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from scopedmesh.fault.protocol.agreement import Action as AgreementAction
+from scopedmesh.fault.protocol.agreement import Keys, agreement
+
+__all__ = [
+    "FAILED",
+    "OK",
+    "STOP_GRACE",
+    "AbortMesh",
+    "Agreed",
+    "Ask",
+    "AwaitAbort",
+    "Commit",
+    "Departed",
+    "FirstStop",
+    "IsAborted",
+    "Ledger",
+    "PostStop",
+    "RaisedAgain",
+    "Verdict",
+    "Vote",
+    "doubt_commits",
+    "stopped",
+    "verdict",
+]
+
+OK, FAILED = 0, 1  # a member's flag in the vote
+STOP_GRACE = 0.25  # seconds a collective's error waits for the watch to learn of a death
+NONE, RUNTIME, OTHER = "none", "runtime", "other"  # what the block raised
+
+
+@dataclass(frozen=True)
+class IsAborted:
+    """Whether the mesh was aborted (answered with a bool)."""
+
+
+@dataclass(frozen=True)
+class AwaitAbort:
+    """Wait up to ``seconds`` for the mesh to be aborted; answered with whether it was."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PostStop:
+    """Tell every member this rank's step raised in ``attempt`` (their meshes abort)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class AbortMesh:
+    """Abort this rank's mesh, saying ``why``."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Vote:
+    """Take part in the vote with ``flag``; answered with the MAX of every member's flag,
+    or None where the vote did not complete here (a death or an abort cut it short)."""
+
+    flag: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Count the step as committed unless this rank answered for ``attempt`` already
+    (:meth:`Ledger.commit`); answered with whether it counted."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Ask every member to answer for ``attempt``: their watches check in with their counts."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class FirstStop:
+    """The rank whose stop of ``attempt`` was posted first, or None."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Departed:
+    """Which of ``ranks`` left the job after an exception; answered ``{rank: "Type: message"}``."""
+
+    ranks: frozenset[int]
+
+
+@dataclass(frozen=True)
+class RaisedAgain:
+    """This rank's step raised a ``RuntimeError`` in ``attempt``, nobody lost; answered with
+    whether it did in the attempt before too (:meth:`Ledger.raised_again`)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The members agreed on ``attempt``: their count of committed steps is ``highest``."""
+
+    attempt: int
+    highest: int
+
+
+Action = (
+    AgreementAction
+    | IsAborted
+    | AwaitAbort
+    | PostStop
+    | AbortMesh
+    | Vote
+    | Commit
+    | Ask
+    | FirstStop
+    | Departed
+    | RaisedAgain
+    | Agreed
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A step's verdict on this member: ``committed``; ``lost`` (agreed, empty when the vote
+    decided); ``agreed`` (whether an agreement was held: the mesh is then re-formed);
+    ``raise_own`` (raise the block's exception); ``error`` (a message to raise as
+    :class:`~scopedmesh.errors.StepError`, or None)."""
+
+    committed: bool
+    lost: frozenset[int] = frozenset()
+    agreed: bool = False
+    raise_own: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Ledger:
+    """One watch's steps per set of members (named by :func:`~scopedmesh.fault.protocol.
+    agreement.members_key`): agreements held, steps committed, attempts answered for, and
+    the attempt whose step last raised a ``RuntimeError`` here. Pure: the watch holds a
+    lock around it (its store thread answers while the caller's thread steps).
+
+    >>> ledger = Ledger()
+    >>> ledger.commit("m2.0-1", 0), ledger.committed["m2.0-1"]
+    (True, 1)
+    >>> ledger.answer("m2.0-1", 1) is None, ledger.answer("m2.0-1", 0)  # attempt 1: not yet
+    (True, 1)
+    """
+
+    attempts: dict[str, int] = field(default_factory=dict)
+    committed: dict[str, int] = field(default_factory=dict)
+    answered: set[tuple[str, int]] = field(default_factory=set)
+    raised: dict[str, int] = field(default_factory=dict)
+
+    def attempt(self, key: str) -> int:
+        """The attempt the members ``key`` are at: how many agreements they held."""
+        return self.attempts.get(key, 0)
+
+    def commit(self, key: str, attempt: int) -> bool:
+        """Count a step of ``key`` whose vote committed, unless this rank answered for
+        ``attempt`` (its count was given: the step is then settled by the agreement)."""
+        if (key, attempt) in self.answered:
+            return False
+        self.committed[key] = self.committed.get(key, 0) + 1
+        return True
+
+    def answer(self, key: str, attempt: int) -> int | None:
+        """This rank's count of committed steps of ``key`` as its answer for ``attempt``
+        (fencing it), or None where ``key`` is at another attempt (it answered already,
+        or has not started stepping there)."""
+        if key not in self.attempts and key not in self.committed:
+            return None
+        if self.attempt(key) != attempt:
+            return None
+        self.answered.add((key, attempt))
+        return self.committed.get(key, 0)
+
+    def agreed(self, key: str, highest: int) -> None:
+        """The members ``key`` agreed: one attempt more; their count is ``highest``."""
+        self.attempts[key] = self.attempt(key) + 1
+        self.committed[key] = highest
+
+    def moved(self, key: str, new: str) -> None:
+        """The members ``key`` go on as ``new`` (re-formed around lost ranks): the count
+        moves with them; ``new`` keeps its own count of attempts (its keys are its own)."""
+        if new != key:
+            self.committed[new] = self.committed.pop(key, 0)
+            self.attempts.setdefault(new, 0)
+
+    def raised_again(self, key: str, attempt: int) -> bool:
+        """Note that the step raised here in ``attempt``; whether it did in the one before."""
+        again = self.raised.get(key) == attempt - 1
+        self.raised[key] = attempt
+        return again
+
+    def total(self) -> int:
+        """Every step committed, over every set of members."""
+        return sum(self.committed.values())
+
+
+def stopped(stops: Iterable[tuple[int, str, int]], key: str, since: int) -> set[int]:
+    """The ranks whose stops, ``(rank, members, attempt)``, abort a mesh of the members
+    ``key`` guarded at attempt ``since``: those of its members, from that attempt on (a
+    stop read late never aborts the mesh re-formed after it, nor a mesh of other members).
+
+    >>> sorted(stopped([(1, "m2.0-1", 0), (2, "m2.2-3", 1), (0, "m2.0-1", 1)], "m2.0-1", 1))
+    [0]
+    """
+    return {rank for rank, members, attempt in stops if members == key and attempt >= since}
+
+
+def doubt_commits(mine: int, highest: int, flag: int) -> bool:
+    """Whether a member in doubt commits its step: a peer committed it (the highest count
+    is one above its own; then every flag was OK). Any other gap breaks the vote's rule.
+
+    >>> doubt_commits(4, 5, OK), doubt_commits(4, 4, OK)
+    (True, False)
+    """
+    if highest > mine + 1 or (highest == mine + 1 and flag != OK) or highest < mine:
+        raise RuntimeError(
+            f"the members' counts of committed steps ({highest} against {mine} here, whose "
+            f"flag was {flag}) break the step's vote"
+        )
+    return highest == mine + 1
+
+
+def verdict(
+    *,
+    rank: int,
+    members: list[int],
+    keys: Keys,
+    attempt: int,
+    mine: int,
+    raised: str,
+    can_vote: bool,
+    limit: float,
+    tag: str,
+) -> Generator[Action, Any, Verdict]:
+    """The verdict of ``rank``'s step on ``members`` at ``attempt`` (its ``mine`` committed
+    steps so far; ``raised``: what its block raised, ``"none"``, ``"runtime"`` (a
+    ``RuntimeError``) or ``"other"``; ``can_vote``: whether its vote's group formed)."""
+    if raised == RUNTIME:  # a collective's error: is a death behind it?
+        yield AwaitAbort(STOP_GRACE)
+    if (raised != NONE or not can_vote) and not (yield IsAborted()):
+        yield PostStop(attempt)  # before this rank's sockets close, so that it is first
+        why = "could not form the step's vote" if raised == NONE else "raised"
+        yield AbortMesh(f"when rank {rank}'s step {why}")
+    flag = FAILED if raised != NONE or (yield IsAborted()) else OK
+    outcome = (yield Vote(flag)) if can_vote else None
+    if outcome is not None and not (yield IsAborted()):
+        if outcome != OK:
+            return Verdict(committed=False, raise_own=raised == OTHER)
+        if (yield Commit(attempt)):
+            return Verdict(committed=True)
+    yield Ask(attempt)
+    decided = yield from agreement(keys, members, rank, committed=mine, limit=limit, tag=tag)
+    highest = mine if decided.committed is None else decided.committed
+    committed = doubt_commits(mine, highest, flag)
+    yield Agreed(attempt, highest)
+    departed = dict((yield Departed(decided.lost))) if decided.lost else {}
+    error = None
+    if departed:
+        error = "; ".join(
+            f"rank {r} left the job after {why}" for r, why in sorted(departed.items())
+        )
+    raise_own = raised == OTHER
+    if raised == RUNTIME and not decided.lost and (yield RaisedAgain(attempt)):
+        # Raised here in two attempts in a row, and this rank stopped the step first: a bug
+        # of its own, never redone for ever. (A peer's error that a stop explains does not
+        # repeat so; where that peer's loop lets its error out, it leaves: see above.)
+        raise_own = (yield FirstStop(attempt)) == rank
+    return Verdict(committed, decided.lost, True, raise_own, error)
