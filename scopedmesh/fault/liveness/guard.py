@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from scopedmesh.c10d.diagnosis import Liveness
+from scopedmesh.fault.protocol.verdict import stopped
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
 __all__ = ["Guard"]
@@ -80,11 +81,7 @@ class Guard:
         abort the survivors' new mesh), nor a mesh of other members."""
         for mesh in self.meshes:
             key, since = self._since.get(id(mesh), ("", 0))
-            hit = sorted(
-                {
-                    r for r, members, attempt in stops if members == key and attempt >= since
-                }.intersection(mesh.layout.ranks)
-            )
+            hit = sorted(stopped(stops, key, since).intersection(mesh.layout.ranks))
             if hit and not mesh.closed:
                 mesh.abort(f"when rank(s) {hit} stopped the step (an exception in it)")
 
