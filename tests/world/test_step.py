@@ -121,21 +121,21 @@ def test_an_agreement_tag_is_never_reused() -> None:
 def test_a_survived_thread_failure_is_raised_after_the_agreement_not_in_it() -> None:
     """The watch's thread reports a failure it survives just after this rank checked in:
     the agreement completes, and the next query raises the failure."""
-    from scopedmesh.fault.liveness import agreement
+    from scopedmesh.fault.protocol import agreement
 
     with LivenessWatch(interval=0.02, timeout=10) as watch:
-        check_in = agreement.Agreement.check_in
+        check_in = agreement.check_in
 
-        def check_in_then_fail(self: Any) -> int:
-            count = check_in(self)
+        def check_in_then_fail(*args: Any) -> Any:
+            count = yield from check_in(*args)
             watch._report("failed while watching (it goes on)", OSError("injected"))
             return count
 
-        agreement.Agreement.check_in = check_in_then_fail  # type: ignore[method-assign]
+        agreement.check_in = check_in_then_fail  # type: ignore[assignment]
         try:
             assert watch.agree(tag="t") == frozenset()
         finally:
-            agreement.Agreement.check_in = check_in  # type: ignore[method-assign]
+            agreement.check_in = check_in  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="injected"):
             watch.lost()
 

@@ -38,7 +38,7 @@ from scopedmesh.fault.protocol.agreement import (
     members_key,
 )
 
-__all__ = ["Driver", "StepDriver"]
+__all__ = ["Driver", "StepDriver", "ledger_requests"]
 
 T = TypeVar("T")
 
@@ -147,3 +147,28 @@ class StepDriver:
             if isinstance(request, rules.Agreed):
                 return ledger.agreed(key, request.highest)
         raise TypeError(f"no one carries out {request!r}")
+
+
+def ledger_requests(
+    ledger: rules.Ledger,
+    lock: threading.Lock,
+    members: dict[str, list[int]],
+    on_fence: Callable[[tuple[tuple[str, int], ...]], None] = lambda chain: None,
+) -> Callable[[Any], Any]:
+    """Carries out an answer's requests of the ledger (:class:`~scopedmesh.fault.protocol.
+    verdict.Steps`, :class:`~scopedmesh.fault.protocol.verdict.Fence`), under ``lock``;
+    ``members`` maps each set of members stepped on to its ranks; ``on_fence`` is handed
+    each chain fenced (the meshes of those attempts are settled without this rank)."""
+
+    def do(request: Any) -> Any:
+        with lock:
+            if isinstance(request, rules.Steps):
+                return ledger.steps(members)
+            fenced = isinstance(request, rules.Fence) and ledger.fence(request.start, request.chain)
+        if isinstance(request, rules.Fence):
+            if fenced:
+                on_fence(request.chain)
+            return fenced
+        raise TypeError(f"no one carries out {request!r}")
+
+    return do

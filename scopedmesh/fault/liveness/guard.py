@@ -85,6 +85,13 @@ class Guard:
             if hit and not mesh.closed:
                 mesh.abort(f"when rank(s) {hit} stopped the step (an exception in it)")
 
+    def abort_members(self, keys: set[str], why: str) -> None:
+        """Abort the open guarded meshes whose members' keys are among ``keys``."""
+        for mesh in self.meshes:
+            key, _ = self._since.get(id(mesh), ("", 0))
+            if key in keys and not mesh.closed:
+                mesh.abort(f"when {why}")
+
     def aborted_at(self, rank: int) -> float | None:
         """``time.time()`` when the guarded meshes holding ``rank`` were aborted, or None."""
         return self.aborted.get(rank)

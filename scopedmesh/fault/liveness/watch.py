@@ -40,7 +40,7 @@ from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read, wait_timed_out
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.fault.heal import reform
-from scopedmesh.fault.liveness.agreement import Driver, StepDriver
+from scopedmesh.fault.liveness.agreement import Driver, StepDriver, ledger_requests
 from scopedmesh.fault.liveness.deaths import (
     LEFT,
     UNREACHABLE,
@@ -56,7 +56,6 @@ from scopedmesh.fault.protocol.agreement import (
     Keys,
     agreement,
     agreement_name,
-    answer,
     members_key,
 )
 from scopedmesh.layout import Axis
@@ -300,7 +299,12 @@ class LivenessWatch:
         key = members_key(mesh.layout.ranks)
         with self._ledger_lock:
             since = (key, self._ledger.attempt(key))
+            settled = since in self._ledger.answered  # its members went on without this rank
         self._guard.add(mesh, self, (self._thread, self._waiter), lambda: self._record.lost, since)
+        if settled:
+            mesh.abort(
+                "when its step was settled without this rank (it answered a member in doubt)"
+            )
         return mesh
 
     def step(self, mesh: ProcessGroupMesh, axis: Axis) -> Step:
@@ -572,18 +576,25 @@ class LivenessWatch:
             self._answer(self._waiting_store, key, attempt)
 
     def _answer(self, store: Any, key: str, attempt: int) -> None:
-        """Check in for this rank to ``attempt`` of the members ``key`` it steps on, if it is
-        at that attempt (it answered, or will agree itself, otherwise)."""
+        """Check in for this rank to ``attempt`` of the members ``key`` it steps on, with
+        the count it has or will have there (:func:`~scopedmesh.fault.protocol.verdict.
+        answer_ask`); nothing where it cannot tell."""
         with self._ledger_lock:
             members = self._members.get(key)
-            count = None if members is None else self._ledger.answer(key, attempt)
-        if members is None or count is None:
-            return
-        name = agreement_name(members, f"event{attempt}")
-        if name not in self._tags:  # the clean-up finds it (the caller's thread notes its own)
-            store.append(self.keys.tags, name + "\n")
-        keys = Keys(f"{self.prefix}/agree/{name}")
-        Driver(store, self._record).run(answer(keys, members, self.rank, committed=count))
+        if members is not None:  # the clean-up finds the agreement's keys
+            name = agreement_name(members, f"event{attempt}")
+            if name not in self._tags:
+                store.append(self.keys.tags, name + "\n")
+        steps = rules.answer_ask(rank=self.rank, prefix=self.prefix, key=key, attempt=attempt)
+        other = ledger_requests(self._ledger, self._ledger_lock, self._members, self._on_fence)
+        Driver(store, self._record, other).run(steps)
+
+    def _on_fence(self, chain: tuple[tuple[str, int], ...]) -> None:
+        """This rank answered for ``chain``: its meshes of those members are settled without
+        it (a member in doubt means they are aborted everywhere): abort them here now."""
+        self._guard.abort_members({key for key, _ in chain}, "a member in doubt settled it")
+        if self._guard.unsettled():
+            self._ring.nudge()
 
     def _report(self, what: str, error: BaseException) -> None:
         """Record a failure the thread survives, for the next query."""
@@ -679,7 +690,7 @@ class LivenessWatch:
         stepped on, with its count of committed steps: a peer left in doubt about the last
         step (its vote was cut short) learns from it whether that step committed."""
         with self._ledger_lock:
-            next_attempts = [(key, self._ledger.attempt(key)) for key in self._members]
+            next_attempts = [(key, at) for key, _, at, _ in self._ledger.steps(self._members)]
         for key, attempt in next_attempts:
             self._answer(self._store, key, attempt)
 

@@ -29,8 +29,8 @@ The rules:
    stopped the step first (a bug, never redone for ever).
 
 >>> ledger = Ledger()
->>> ledger.answer("m2.0-1", 0), ledger.commit("m2.0-1", 0)
-(0, False)
+>>> ledger.fence(("m2.0-1", 0), [("m2.0-1", 0)]), ledger.commit("m2.0-1", 0)
+(True, False)
 """
 
 from __future__ import annotations
@@ -40,7 +40,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scopedmesh.fault.protocol.agreement import Action as AgreementAction
-from scopedmesh.fault.protocol.agreement import Keys, agreement
+from scopedmesh.fault.protocol.agreement import (
+    Get,
+    Keys,
+    agreement,
+    agreement_name,
+    answer,
+    committed_of,
+    decision_of,
+    members_key,
+)
 
 __all__ = [
     "FAILED",
@@ -52,13 +61,16 @@ __all__ = [
     "AwaitAbort",
     "Commit",
     "Departed",
+    "Fence",
     "FirstStop",
     "IsAborted",
     "Ledger",
     "PostStop",
     "RaisedAgain",
+    "Steps",
     "Verdict",
     "Vote",
+    "answer_ask",
     "doubt_commits",
     "stopped",
     "verdict",
@@ -188,8 +200,8 @@ class Ledger:
     >>> ledger = Ledger()
     >>> ledger.commit("m2.0-1", 0), ledger.committed["m2.0-1"]
     (True, 1)
-    >>> ledger.answer("m2.0-1", 1) is None, ledger.answer("m2.0-1", 0)  # attempt 1: not yet
-    (True, 1)
+    >>> ledger.steps({"m2.0-1": [0, 1]})
+    [('m2.0-1', [0, 1], 0, 1)]
     """
 
     attempts: dict[str, int] = field(default_factory=dict)
@@ -209,16 +221,14 @@ class Ledger:
         self.committed[key] = self.committed.get(key, 0) + 1
         return True
 
-    def answer(self, key: str, attempt: int) -> int | None:
-        """This rank's count of committed steps of ``key`` as its answer for ``attempt``
-        (fencing it), or None where ``key`` is at another attempt (it answered already,
-        or has not started stepping there)."""
-        if key not in self.attempts and key not in self.committed:
-            return None
-        if self.attempt(key) != attempt:
-            return None
-        self.answered.add((key, attempt))
-        return self.committed.get(key, 0)
+    def steps(self, members: dict[str, list[int]]) -> list[tuple[str, list[int], int, int]]:
+        """Where this rank is on each set of members it steps on now: ``(key, members,
+        attempt, committed)`` (:class:`Steps`)."""
+        return [
+            (key, members[key], self.attempt(key), count)
+            for key, count in self.committed.items()
+            if key in members
+        ]
 
     def agreed(self, key: str, highest: int) -> None:
         """The members ``key`` agreed: one attempt more; their count is ``highest``."""
@@ -231,6 +241,20 @@ class Ledger:
         if new != key:
             self.committed[new] = self.committed.pop(key, 0)
             self.attempts.setdefault(new, 0)
+
+    def fence(self, start: tuple[str, int], chain: Iterable[tuple[str, int]]) -> bool:
+        """Fence every attempt of ``chain`` (this rank answers for them: no vote of its own
+        there commits), where the ledger is still at ``start``; whether it was.
+
+        >>> ledger = Ledger()
+        >>> ledger.fence(("m2.0-1", 0), [("m2.0-1", 0), ("m2.0-1", 1)]), ledger.commit("m2.0-1", 0)
+        (True, False)
+        """
+        key, attempt = start
+        if self.attempt(key) != attempt:
+            return False
+        self.answered.update(chain)
+        return True
 
     def raised_again(self, key: str, attempt: int) -> bool:
         """Note that the step raised here in ``attempt``; whether it did in the one before."""
@@ -315,3 +339,62 @@ def verdict(
         # repeat so; where that peer's loop lets its error out, it leaves: see above.)
         raise_own = (yield FirstStop(attempt)) == rank
     return Verdict(committed, decided.lost, True, raise_own, error)
+
+
+# ------------------------------------------------------------------ answering a member in doubt
+
+
+@dataclass(frozen=True)
+class Steps:
+    """This rank's steps: answered with ``[(key, members, attempt, committed), ...]``, one
+    per set of members it stepped on (read from the :class:`Ledger` under its lock)."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Fence ``chain`` (the attempts this rank answers for, from ``start`` on), unless the
+    ledger's attempt of ``start[0]`` moved past ``start[1]`` meanwhile; answered with
+    whether it fenced (:meth:`Ledger.fence`)."""
+
+    start: tuple[str, int]
+    chain: tuple[tuple[str, int], ...]
+
+
+def answer_ask(*, rank: int, prefix: str, key: str, attempt: int) -> Generator[Any, Any, None]:
+    """Answer a member in doubt about ``attempt`` of the members ``key``: check in for this
+    rank with its count of committed steps, without waiting for its compute.
+
+    Where this rank is at that attempt, its count is its ledger's. Where it is behind
+    (still computing an earlier attempt that the others settled without it, which
+    it answered for then), the decisions written since say what its count will be:
+    each one it replays (the lost leave its members, the highest count is its
+    own) until the attempt asked about. Every attempt on the way is fenced, so
+    that no vote of its own there commits; its main thread reads those decisions
+    when it gets there. Where a decision on the way is not written yet, or lost
+    this rank, it does not answer (the asker is answered by its own agreement).
+    """
+    for start_key, members, at, count in (yield Steps()):
+        chain = [(start_key, at)]
+        while (start_key, at) != (key, attempt) and len(chain) < 64:
+            name = agreement_name(members, f"event{at}")
+            text = yield Get(f"{prefix}/agree/{name}/decision")
+            if not text:
+                break
+            lost = decision_of(text)
+            if rank in lost:
+                return
+            highest = committed_of(text)
+            count = count if highest is None else highest
+            if lost.intersection(members):
+                members = [r for r in members if r not in lost]
+                start_key, at = members_key(members), 0
+            else:
+                at += 1
+            chain.append((start_key, at))
+        if (start_key, at) != (key, attempt):
+            continue
+        if not (yield Fence(chain[0], tuple(chain))):
+            return
+        keys = Keys(f"{prefix}/agree/{agreement_name(members, f'event{attempt}')}")
+        yield from answer(keys, members, rank, committed=count)
+        return

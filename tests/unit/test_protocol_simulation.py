@@ -1,0 +1,89 @@
+"""The fault protocol, explored: hypothesis schedules deaths, exceptions, departures, slow
+members and cut collectives among the members of one or two meshes under one watch, and
+checks the protocol's rules after every event (:mod:`_protocol_sim`).
+
+A failure prints the shrunk schedule (hypothesis's steps) and the rule it broke; a
+seed replays a run (``--hypothesis-seed``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from _protocol_sim import BUG, KEPT_RUNTIME, KEPT_VALUE, LEAVING_VALUE, Simulation
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+EXAMPLES = int(os.environ.get("SCOPEDMESH_SIM_EXAMPLES", "2000"))
+DRAIN = 20_000  # requests the end of a run may take to finish every live member
+
+
+class Protocol(RuleBasedStateMachine):
+    """One run: a world, a schedule of events, then every live member runs to its end."""
+
+    sim: Simulation
+
+    @initialize(size=st.integers(2, 5), meshes=st.sampled_from([1, 2]), steps=st.integers(2, 4))
+    def world(self, size: int, meshes: int, steps: int) -> None:
+        self.sim = Simulation(size, meshes if size >= 4 else 1, steps)
+        self.kills = 0
+
+    @rule(choice=st.integers(0, 15), cut_late=st.booleans())
+    def act(self, choice: int, cut_late: bool) -> None:
+        """One request of one runnable thread (the clock moves when none can run)."""
+        self.sim.run(choice, cut_late)
+
+    @rule(choice=st.integers(0, 15), times=st.integers(1, 8), cut_late=st.booleans())
+    def act_several(self, choice: int, times: int, cut_late: bool) -> None:
+        for _ in range(times):
+            self.sim.run(choice, cut_late)
+
+    @rule(rank=st.integers(0, 4))
+    def kill(self, rank: int) -> None:
+        """SIGKILL, at whatever moment the schedule reached."""
+        if self.kills < 2 and rank < len(self.sim.members):
+            self.kills += 1
+            self.sim.kill(rank)
+
+    @rule(
+        rank=st.integers(0, 4),
+        ahead=st.integers(0, 2),
+        what=st.sampled_from([KEPT_RUNTIME, KEPT_VALUE, LEAVING_VALUE, BUG]),
+    )
+    def arm(self, rank: int, ahead: int, what: str) -> None:
+        """The member's step (this one or one ahead) raises ``what``."""
+        if rank < len(self.sim.members):
+            member = self.sim.members[rank]
+            member.armed[member.step + ahead] = what
+
+    @rule(rank=st.integers(0, 4), seconds=st.sampled_from([0.05, 0.4, 3.0, 45.0]))
+    def slow(self, rank: int, seconds: float) -> None:
+        """The member's next step computes for ``seconds`` (45: past the watch's timeout)."""
+        if rank < len(self.sim.members):
+            self.sim.members[rank].slow = seconds
+
+    @invariant()
+    def rules_hold(self) -> None:
+        self.sim.check()
+        assert not self.sim.problems, self.sim.problems
+
+    def teardown(self) -> None:
+        """Every live member runs to its end: nobody waits for ever, or past a bound."""
+        sim = getattr(self, "sim", None)
+        if sim is None:
+            return
+        for turn in range(DRAIN):
+            if not sim.run(turn, False):
+                break
+        sim.check()
+        stuck = [
+            f"rank {m.rank} waits on {m.pending!r} at t={sim.now:.2f}"
+            for m in sim.members
+            if m.state == "running"
+        ]
+        assert not stuck and not sim.problems, [*sim.problems, *stuck]
+
+
+Protocol.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
+TestProtocol = Protocol.TestCase
