@@ -189,6 +189,7 @@ class Simulation:
         self.problems: list[str] = []
         self.reader: tuple[Member, str] | None = None  # whose request is carried out now
         self.cut_late = False
+        self.seen: set[str] = set()  # what the run went through (hypothesis's statistics)
         self.sets: dict[str, tuple[int, ...]] = {}  # members_key -> the members, as made
         self.members: list[Member] = []
         for index, group in enumerate(groups):
@@ -259,6 +260,7 @@ class Simulation:
 
     def _settled(self, member: Member, chain: tuple[tuple[str, int], ...]) -> None:
         """``LivenessWatch._on_fence``: this rank's meshes of those members are aborted."""
+        self.seen.add("an answer" + (" that caught up through decisions" if len(chain) > 1 else ""))
         if member.view.since[0] in {key for key, _ in chain}:
             self._abort(member)
 
@@ -325,6 +327,14 @@ class Simulation:
                 self._check_timeout(m, error)
                 return
             self.verdicts.setdefault(vote_at, {})[m.rank] = (verdict.committed, verdict.lost)
+            if verdict.agreed:
+                self.seen.add("an agreement" + (" that lost a member" if verdict.lost else ""))
+                if raised == rules.NONE and not verdict.committed:
+                    self.seen.add("a member in doubt failed the step")
+                if raised == rules.NONE and verdict.committed:
+                    self.seen.add("a member in doubt committed the step")
+            if verdict.error is not None:
+                self.seen.add("StepError after a departure")
             if verdict.committed:
                 m.log.append(m.step)
                 m.step += 1
@@ -387,6 +397,7 @@ class Simulation:
         if m.state != "running":
             return
         m.state = "dead"
+        self.seen.add("a kill")
         self._sockets_close(m)
         watcher = self._watcher_of(rank)
         if watcher is not None:  # its ring watcher declares it, and what it had to declare

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from _protocol_sim import BUG, KEPT_RUNTIME, KEPT_VALUE, LEAVING_VALUE, Simulation
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -77,6 +77,8 @@ class Protocol(RuleBasedStateMachine):
             if not sim.run(turn, False):
                 break
         sim.check()
+        for what in sorted(sim.seen):
+            event(what)
         stuck = [
             f"rank {m.rank} waits on {m.pending!r} at t={sim.now:.2f}"
             for m in sim.members
