@@ -338,6 +338,10 @@ class Simulation:
             if verdict.committed:
                 m.log.append(m.step)
                 m.step += 1
+            if verdict.error is not None:  # StepError, before any re-forming: it leaves
+                yield from self._close(m, RuntimeError(verdict.error))
+                m.state = "left"
+                return
             if m.rank in verdict.lost:
                 m.state = "lost"
                 return
@@ -353,10 +357,6 @@ class Simulation:
                 self.sets[new_key] = survivors
                 if m.record.lost.intersection(survivors) or since in m.ledger.answered:
                     m.view.abort("guarded with a lost rank, or settled without this rank")
-            if verdict.error is not None:  # StepError: it leaves the loop
-                yield from self._close(m, RuntimeError(verdict.error))
-                m.state = "left"
-                return
             if verdict.raise_own and plan in (LEAVING_VALUE, BUG):
                 error = ValueError(plan) if plan == LEAVING_VALUE else RuntimeError(plan)
                 yield from self._close(m, error)
@@ -565,10 +565,12 @@ class Simulation:
         kind = "vote" if isinstance(request, rules.Vote) else "train"
         view.seq[kind] = view.seq.get(kind, 0) + 1
         assert collective is not None
-        if view.aborted:  # its group is shut: it cannot take part, and its peers fail
+        if view.aborted and self.cut_late:  # its groups shut already: its peers fail
             if not collective.complete:
                 collective.cut = True
             return
+        # (An aborted mesh's groups shut as the watch settles them: a contribution made
+        # before that still reaches the peers.)
         collective.given[m.rank] = request.flag if isinstance(request, rules.Vote) else 0
 
     def _collected(self, m: Member, request: Any) -> Any:

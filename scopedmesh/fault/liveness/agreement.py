@@ -130,7 +130,9 @@ class StepDriver:
             return self.vote(request.flag)
         if isinstance(request, rules.Ask):
             self.note()
-            return record.ask(store, key, request.attempt, self.members)
+            if request.doubt:
+                record.ask(store, key, request.attempt, self.members)
+            return None
         if isinstance(request, rules.FirstStop):
             return record.first_stop(store, key, request.attempt)
         if isinstance(request, rules.Departed):

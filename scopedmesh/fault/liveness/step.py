@@ -132,11 +132,11 @@ class Step:
         if not verdict.agreed:
             return False  # decided by the vote; an exception of this rank's step is raised
         self.lost = verdict.lost
+        if verdict.error is not None:  # the job fails: a peer left it after an exception
+            raise StepError(f"rank {watch.rank}'s step failed: {verdict.error}") from exc
         self.mesh = watch.guard(reform(mesh, self.lost, self._axis))
         watch._moved(mesh, self.mesh)
         self.healed = True
-        if verdict.error is not None:
-            raise StepError(f"rank {watch.rank}'s step failed: {verdict.error}") from exc
         if verdict.raise_own:
             return False  # this rank's own error: raised here, once every member knows
         return True

@@ -366,7 +366,7 @@ class LivenessWatch:
             tag=name,
         )
         outcome = Driver(self._store, self._record, do).run(steps)
-        if outcome.lost and self.rank in outcome.lost:
+        if outcome.error is None and self.rank in outcome.lost:
             raise LostRankError(
                 f"rank {self.rank} was declared lost (lost ranks {sorted(outcome.lost)}): its "
                 "connections closed; it must not join the re-formed mesh"

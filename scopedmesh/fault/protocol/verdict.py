@@ -15,16 +15,18 @@ The rules:
    member's mesh is aborted) unless its mesh is aborted already.
 2. The vote is the MAX of every member's flag (0: fine here). Completed, with
    no abort since and no answer given for this attempt: the step committed
-   (all flags 0) or failed, alike on every member.
+   (all flags 0) or failed, alike on every member; a failed step is then
+   agreed on, so that every member re-forms and counts its attempts alike.
 3. **Doubt.** A member whose vote did not complete asks the others to answer
    (their watches' threads check in with their counts of committed steps, so
    nobody waits on a peer's compute; an answer *fences* the attempt: that
    member's vote of it no longer commits) and agrees. It commits the step if
    and only if a member committed it: the highest count is one above its own.
-4. After an agreement the step raises where it must: this rank's own
-   non-``RuntimeError`` exception; a :class:`~scopedmesh.errors.StepError`
-   where a member the agreement lost had left the job after an exception (its
-   type and message in the error); and a ``RuntimeError`` raised by this
+4. After an agreement the step raises where it must: a
+   :class:`~scopedmesh.errors.StepError` where a member the agreement lost had
+   left the job after an exception (its type and message in the error; before
+   any re-forming, which would be pointless); this rank's own
+   non-``RuntimeError`` exception; and a ``RuntimeError`` raised by this
    rank's step in two attempts in a row, with nobody lost, where this rank
    stopped the step first (a bug, never redone for ever).
 
@@ -125,9 +127,11 @@ class Commit:
 
 @dataclass(frozen=True)
 class Ask:
-    """Ask every member to answer for ``attempt``: their watches check in with their counts."""
+    """An agreement on ``attempt`` begins here; in ``doubt`` (the vote did not settle the
+    step here), every member is asked to answer: their watches check in with their counts."""
 
     attempt: int
+    doubt: bool = True
 
 
 @dataclass(frozen=True)
@@ -316,12 +320,12 @@ def verdict(
         yield AbortMesh(f"when rank {rank}'s step {why}")
     flag = FAILED if raised != NONE or (yield IsAborted()) else OK
     outcome = (yield Vote(flag)) if can_vote else None
-    if outcome is not None and not (yield IsAborted()):
-        if outcome != OK:
-            return Verdict(committed=False, raise_own=raised == OTHER)
-        if (yield Commit(attempt)):
-            return Verdict(committed=True)
-    yield Ask(attempt)
+    known = outcome is not None and not (yield IsAborted())
+    if known and outcome == OK and (yield Commit(attempt)):
+        return Verdict(committed=True)
+    # A failed step is agreed on by every member (so they re-form and count attempts
+    # alike); a member whose vote did not settle it asks the others to answer.
+    yield Ask(attempt, doubt=not known or outcome == OK)
     decided = yield from agreement(keys, members, rank, committed=mine, limit=limit, tag=tag)
     highest = mine if decided.committed is None else decided.committed
     committed = doubt_commits(mine, highest, flag)

@@ -1,0 +1,140 @@
+"""Workers for tests/world/test_protocol_faults.py: the fault protocol's findings, on gloo."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedmesh import ProcessGroupMesh, StepError
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.fault.liveness import LivenessWatch
+
+STEPS = 4
+
+
+def _in_doubt(step: Any, mesh: ProcessGroupMesh, out: dict[str, Any]) -> None:
+    """This rank's vote completes, then its mesh is aborted before it reads the answer, as
+    when a death's abort lands just after the vote: its peers commit, it is in doubt."""
+    vote = step._vote
+
+    def read_too_late(flag: int) -> int | None:
+        out["vote"] = vote(flag)
+        mesh.abort("by the test, just after this rank's vote")
+        return None
+
+    step._vote = read_too_late
+
+
+def two_meshes_one_watch(rank: int, world: int) -> dict[str, Any]:
+    """One watch over 4 ranks; mesh A over [0, 1], mesh B over [2, 3], each its own loop.
+    A's step 0 fails once (rank 0 raises a ValueError its loop keeps); B's rank 2 is left
+    in doubt about step 2, which its peer committed: it must commit it too, reading B's
+    agreement, never A's."""
+    out: dict[str, Any] = {"verdicts": []}
+    ranks = [0, 1] if rank < 2 else [2, 3]
+    w = torch.zeros(1, dtype=torch.float64)
+    with LivenessWatch(interval=0.02, timeout=30) as watch:
+        mesh = watch.guard(ProcessGroupMesh(2, names=("dp",), ranks=ranks, timeout=30))
+        step = 0
+        failed_once = False
+        while step < STEPS:
+            verdict = watch.step(mesh, "dp")
+            if rank == 2 and step == 2 and "vote" not in out:
+                _in_doubt(verdict, mesh, out)
+            try:
+                with verdict:
+                    grad = torch.full_like(w, float(step + 1))
+                    dist.all_reduce(grad, group=mesh.get_group_along_axis("dp"))
+                    if rank == 0 and step == 0 and not failed_once:
+                        failed_once = True
+                        raise ValueError("kept by the loop")
+            except ValueError:
+                pass
+            mesh = verdict.mesh
+            out["verdicts"].append([step, verdict.committed])
+            if verdict.committed:
+                w += grad
+                step += 1
+        out["committed"] = watch.committed
+        mesh.close()
+    out["w"] = w.tolist()
+    return out
+
+
+def an_error_leaves_the_loop(rank: int, world: int, raisers: list[int]) -> dict[str, Any]:
+    """A 2 x 2 (dp, tp) loop in the documented ``with LivenessWatch(...)`` block; at step 2
+    the ranks ``raisers`` raise an error their loop lets out (a ValueError on one rank, or
+    a RuntimeError on every rank and every attempt: a shape bug). Returns what each rank
+    raised, how long after the first raise, and how many attempts of step 2 it made."""
+    store = _c10d.default_store()
+    out: dict[str, Any] = {"attempts": 0, "error": None}
+    kind = ValueError if len(raisers) == 1 else RuntimeError
+    try:
+        with LivenessWatch(interval=0.02, timeout=15) as watch:
+            mesh = watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=15))
+            step = 0
+            while step < STEPS:
+                with watch.step(mesh, "dp") as verdict:
+                    grad = torch.full((1,), float(step + 1))
+                    dist.all_reduce(grad, group=mesh.get_group_along_axis("tp"))
+                    if step == 2:
+                        out["attempts"] += 1
+                        if rank in raisers:
+                            store.compare_set("raised_at", "", repr(time.time()))
+                            raise kind(f"the shape bug of rank {rank}")
+                    dist.all_reduce(grad, group=mesh.get_group_along_axis("dp"))
+                out.setdefault("trace", []).append([step, verdict.committed, time.time()])
+                mesh = verdict.mesh
+                step += int(bool(verdict.committed))
+            mesh.close()
+    except (ValueError, RuntimeError) as error:
+        out["error"] = [type(error).__name__, str(error)]
+        out["cause"] = repr(error.__cause__) if error.__cause__ is not None else None
+        raised_at = float(store.get("raised_at").decode())
+        out["after"] = time.time() - raised_at
+        out["trace"] = [[s, c, round(t - raised_at, 3)] for s, c, t in out.get("trace", [])]
+    return out
+
+
+def compute_longer_than_the_timeout(rank: int, world: int, compute: float) -> dict[str, Any]:
+    """A 2 x 2 loop with a watch whose timeout is 3 s. Rank 1 is left in doubt about step
+    2; at step 3, rank 3 computes for ``compute`` seconds (more than the timeout) before
+    its first collective. The members in doubt must get their answer from rank 3's watch,
+    not wait for its compute."""
+    out: dict[str, Any] = {"verdicts": []}
+    w = torch.zeros(1, dtype=torch.float64)
+    with LivenessWatch(interval=0.02, timeout=3) as watch:
+        mesh = watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=30))
+        step = 0
+        while step < STEPS:
+            verdict = watch.step(mesh, "dp")
+            if rank == 1 and step == 2 and "vote" not in out:
+                _in_doubt(verdict, mesh, out)
+            began = time.monotonic()
+            with verdict:
+                if rank == 3 and step == 3 and "computed" not in out:
+                    time.sleep(compute)
+                    out["computed"] = compute
+                grad = torch.full_like(w, float(step + 1))
+                dist.all_reduce(grad, group=mesh.get_group_along_axis("tp"))
+                dist.all_reduce(grad, group=mesh.get_group_along_axis("dp"))
+            out["verdicts"].append([step, verdict.committed, round(time.monotonic() - began, 2)])
+            mesh = verdict.mesh
+            if verdict.committed:
+                w += grad
+                step += 1
+        out["committed"] = watch.committed
+        mesh.close()
+    out["w"] = w.tolist()
+    return out
+
+
+__all__ = [
+    "StepError",
+    "an_error_leaves_the_loop",
+    "compute_longer_than_the_timeout",
+    "two_meshes_one_watch",
+]
