@@ -339,3 +339,22 @@ def test_an_agreement_of_1024_members_asks_each_a_handful_of_requests(
     per_member = sorted(client.requests for client in clients.values())
     print(f"{dead} dead: requests per member {per_member[0]}..{per_member[-1]}")
     assert per_member == [3] * (len(survivors) - 1) + [5]
+
+
+def test_a_rank_declared_dead_that_closes_is_counted_once_at_the_clean_up() -> None:
+    """Rank 2 was declared dead (its host unreachable a while) but is alive, and closes its
+    watch; then rank 0 closes. Rank 1 has not: nothing may be deleted yet. (It was: the
+    closed counter and the list of deaths each counted rank 2, so rank 0 cleaned up under
+    rank 1's feet.) Once rank 1 closes, every key goes."""
+    store, keys, ranks = dist.HashStore(), WatchKeys("scopedmesh-watch/1"), (0, 1, 2)
+    for listed in (keys.lost, keys.stops, keys.asks, keys.tags):
+        store.append(listed, "")
+    store.append(keys.lost, "2:unreachable,")
+    for rank in (2, 0):
+        shell: Any = object.__new__(LivenessWatch)
+        shell._store, shell.keys, shell.ranks, shell.rank = store, keys, ranks, rank
+        shell._clean_up()
+    assert store.check([keys.lost]), "cleaned up before rank 1 closed"
+    shell._store, shell.rank = store, 1
+    shell._clean_up()
+    assert not store.check([keys.lost]) and not store.check([keys.closed])

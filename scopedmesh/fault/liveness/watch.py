@@ -20,7 +20,6 @@ ValueError: interval must be a positive number of seconds (at most 60), got 0
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import selectors
 import threading
@@ -35,18 +34,23 @@ from typing import Any, ParamSpec
 import torch.distributed as dist
 
 from scopedmesh.c10d import groups as _c10d
-from scopedmesh.c10d.checks import check_tag, check_timeout, sorted_ranks
+from scopedmesh.c10d.checks import check_tag, check_timeout
 from scopedmesh.c10d.nccl import check_error_handling
-from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, read, wait_timed_out
+from scopedmesh.c10d.store import WATCH_ROOT, WatchKeys, wait_timed_out
 from scopedmesh.errors import LostRankError, shown
 from scopedmesh.fault.heal import reform
 from scopedmesh.fault.liveness.agreement import Driver, StepDriver, ledger_requests
+from scopedmesh.fault.liveness.arguments import (
+    MAX_INTERVAL,
+    check_interval,
+    check_members,
+    clean_up,
+)
 from scopedmesh.fault.liveness.deaths import (
     LEFT,
     UNREACHABLE,
     DeathRecord,
     departure,
-    parse_deaths,
 )
 from scopedmesh.fault.liveness.guard import Guard
 from scopedmesh.fault.liveness.ring import UNREACHABLE_AFTER, Ring
@@ -65,45 +69,12 @@ from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 __all__ = ["MAX_INTERVAL", "LivenessWatch", "check_interval", "key_names"]
 
 _P = ParamSpec("_P")
-MAX_INTERVAL = 60.0  # seconds: an interval longer than this is a mistake, not a choice
 WAKE_WAIT = timedelta(hours=1)  # how long one server-side wait for news lasts (then again)
-
-
-def check_interval(interval: object) -> float:
-    """``interval`` as positive finite seconds (at most :data:`MAX_INTERVAL`), or an error."""
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)):
-        raise TypeError(f"interval must be a number of seconds, got {shown(interval)}")
-    seconds = float(interval) if abs(interval) < 1e300 else math.inf
-    if not (0 < seconds <= MAX_INTERVAL):  # NaN fails this too
-        raise ValueError(
-            f"interval must be a positive number of seconds (at most {MAX_INTERVAL:g}), "
-            f"got {shown(interval)}"
-        )
-    return seconds
 
 
 def _time_left(deadline: float) -> timedelta:
     """What is left until ``deadline`` (``time.monotonic()``), at least a millisecond."""
     return timedelta(seconds=max(0.001, deadline - time.monotonic()))
-
-
-def _check_members(ranks: Iterable[int] | None, host: object, store: object) -> list[int]:
-    """The watch's members (sorted global ranks, this one among them), or an error naming
-    the bad argument (``host`` and ``store`` are checked here too)."""
-    if host is not None and (not isinstance(host, str) or not host):
-        raise TypeError(f"host must be a non-empty str or None, got {shown(host)}")
-    if store is not None and not isinstance(store, dist.Store):  # type: ignore[attr-defined]
-        raise TypeError(f"store must be a torch.distributed Store or None, got {shown(store)}")
-    world = dist.get_world_size()
-    members = list(range(world)) if ranks is None else sorted_ranks(ranks)
-    if not members:
-        raise ValueError("ranks must hold at least one rank")
-    if members[-1] >= world:
-        raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
-    rank = dist.get_rank()
-    if rank not in members:
-        raise ValueError(f"this rank ({rank}) must be one of ranks {shown(members)}")
-    return members
 
 
 def _weakly(method: Callable[_P, None]) -> Callable[_P, None]:
@@ -155,7 +126,7 @@ class LivenessWatch:
         self._closed = True  # until the thread runs: close() has nothing to stop
         self._interval = check_interval(interval)
         self._timeout = check_timeout(timeout)
-        members = _check_members(ranks, host, store)
+        members = check_members(ranks, host, store)
         self.rank = dist.get_rank()
         self.ranks: tuple[int, ...] = tuple(members)
         base: Any = store if store is not None else _c10d.default_store()
@@ -695,31 +666,9 @@ class LivenessWatch:
             self._answer(self._store, key, attempt)
 
     def _clean_up(self) -> None:
-        """The last member to close (the lost ones never will) deletes the watch's keys.
-
-        Only the keys written, each once: the counter, the lists of deaths,
-        stops and tags, each agreement's keys (its tag appears once per member on
-        the list: counted once; a claim per dead member), the dead members'
-        addresses (the others deleted their own), every member's wake key (a
-        wake-up may have re-made a closed member's) and the dead members'
-        declaration counts. O(keys written), never O(members x tags).
-        """
-        store, keys = self._store, self.keys
-        store.append(keys.closed, f"{self.rank},")
-        closed_text, deaths = store.multi_get([keys.closed, keys.lost])
-        closed = {int(r) for r in closed_text.decode().split(",") if r}
-        dead = sorted(set(parse_deaths(deaths.decode())).intersection(self.ranks))
-        if len(closed.union(dead)) < len(self.ranks):  # a rank both closed and dead: once
-            return
-        tags = read(store, keys.tags)
-        doomed = [keys.closed, keys.lost, keys.stops, keys.asks]
-        doomed += [keys.tags] if tags is not None else []
-        for tag in dict.fromkeys(tag for tag in (tags or "").split("\n") if tag):
-            doomed += keys.agreement(tag).all(dead)
-        doomed += [keys.addr(rank) for rank in dead] + [keys.declared(rank) for rank in dead]
-        doomed += [keys.wake(rank) for rank in self.ranks]
-        for key in doomed:
-            store.delete_key(key)
+        """The last member to close deletes the watch's keys (:func:`~scopedmesh.fault.
+        liveness.arguments.clean_up`)."""
+        clean_up(self._store, self.keys, self.rank, self.ranks)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running"
