@@ -167,6 +167,7 @@ class Member:
     store_pending: Any = None
     members_now: tuple[int, ...] = ()  # the members its main thread's agreement is among
     closing: bool = False  # its main thread closes the watch (it answers, as the store's)
+    stops: set[tuple[int, str, int]] = field(default_factory=set)  # the stops it learned
     deadline: float = 0.0  # when its wait for the abort ends
 
 
@@ -190,6 +191,8 @@ class Simulation:
         self.reader: tuple[Member, str] | None = None  # whose request is carried out now
         self.cut_late = False
         self.seen: set[str] = set()  # what the run went through (hypothesis's statistics)
+        self.shut: set[tuple[str, int, int]] = set()  # (mesh, generation, rank): groups shut
+        self.closed: set[int] = set()  # ranks whose sockets all closed
         self.sets: dict[str, tuple[int, ...]] = {}  # members_key -> the members, as made
         self.members: list[Member] = []
         for index, group in enumerate(groups):
@@ -254,6 +257,7 @@ class Simulation:
             self._abort(member)
 
     def _on_stops(self, member: Member, stops: set[tuple[int, str, int]]) -> None:
+        member.stops |= stops  # the guard keeps them: a mesh guarded later checks them too
         key, since = member.view.since
         if rules.stopped(stops, key, since).intersection(member.view.members):
             self._abort(member)
@@ -342,7 +346,8 @@ class Simulation:
                 yield from self._close(m, RuntimeError(verdict.error))
                 m.state = "left"
                 return
-            if m.rank in verdict.lost:
+            if m.rank in verdict.lost:  # LostRankError leaves the loop, and the watch
+                yield from self._close(m, RuntimeError("LostRankError"))
                 m.state = "lost"
                 return
             if verdict.agreed:
@@ -355,7 +360,8 @@ class Simulation:
                 self._leave_view(m)  # the old mesh is closed: its sockets too
                 m.view = View(view.name, survivors, view.generation + 1, since)
                 self.sets[new_key] = survivors
-                if m.record.lost.intersection(survivors) or since in m.ledger.answered:
+                stopped = rules.stopped(m.stops, new_key, since[1]).intersection(survivors)
+                if m.record.lost.intersection(survivors) or since in m.ledger.answered or stopped:
                     m.view.abort("guarded with a lost rank, or settled without this rank")
             if verdict.raise_own and plan in (LEAVING_VALUE, BUG):
                 error = ValueError(plan) if plan == LEAVING_VALUE else RuntimeError(plan)
@@ -376,14 +382,17 @@ class Simulation:
         if error is not None:
             m.record.depart(self.store, departure(error))
         self._sockets_close(m)
+        self._hand_over(m)
 
     def _leave_view(self, m: Member) -> None:
+        self.shut.add((m.view.name, m.view.generation, m.rank))
         for at, collective in self.collectives.items():
             same = at[:2] == (m.view.name, m.view.generation)
             if same and m.rank in collective.members and not collective.complete:
                 collective.cut = True
 
     def _sockets_close(self, m: Member) -> None:
+        self.closed.add(m.rank)
         for collective in self.collectives.values():
             if m.rank in collective.members and not collective.complete:
                 collective.cut = True
@@ -399,12 +408,20 @@ class Simulation:
         m.state = "dead"
         self.seen.add("a kill")
         self._sockets_close(m)
-        watcher = self._watcher_of(rank)
-        if watcher is not None:  # its ring watcher declares it, and what it had to declare
-            watcher.declares += [(rank, CLOSED), *m.declares]
+        m.declares.append((rank, CLOSED))
+        self._hand_over(m)
+
+    def _hand_over(self, m: Member) -> None:
+        """``m``'s sockets closed (killed, or its watch closed): its ring neighbours see it
+        (a death is declared; a goodbye is not, but their ring relinks past it and finds
+        the deaths it had yet to declare, a refused connect)."""
+        declares, m.declares = m.declares, []
+        watcher = self._watcher_of(m.rank)
+        if watcher is not None and declares:
+            watcher.declares += declares
 
     def _watcher_of(self, rank: int) -> Member | None:
-        alive = [m for m in self.members if m.state in ("running",) and m.rank != rank]
+        alive = [m for m in self.members if m.state == "running" and m.rank != rank]
         after = [m for m in alive if m.rank > rank] or alive
         return after[0] if after else None
 
@@ -562,6 +579,14 @@ class Simulation:
     def _contribute(self, m: Member, request: Any) -> None:
         view = m.view
         collective = self._collective(m, request)
+        assert collective is not None
+        gone = [
+            r
+            for r in view.members
+            if r in self.closed or (view.name, view.generation, r) in self.shut
+        ]
+        if gone and not collective.complete:  # a peer's groups are shut: a connect fails
+            collective.cut = True
         kind = "vote" if isinstance(request, rules.Vote) else "train"
         view.seq[kind] = view.seq.get(kind, 0) + 1
         assert collective is not None
@@ -589,6 +614,7 @@ class Simulation:
         """``mesh.abort``: its groups shut; a collective not complete fails for every member
         (its sockets close); one complete but unread here may be lost too (``cut_late``)."""
         m.view.abort("abort")
+        self.shut.add((m.view.name, m.view.generation, m.rank))
         for at, collective in self.collectives.items():
             if at[:2] != (m.view.name, m.view.generation) or m.rank not in collective.members:
                 continue

@@ -38,6 +38,8 @@ class Guard:
         self._warned = False  # whether add() has checked that groups are closable
         # id(mesh) -> (its members' key, how many agreements they had held when guarded)
         self._since: dict[int, tuple[str, int]] = {}
+        self._stops: set[tuple[int, str, int]] = set()  # every stop learned: a mesh guarded
+        # later is aborted by one of its attempt too (its first step may not have begun)
 
     def add(
         self,
@@ -65,6 +67,7 @@ class Guard:
         dead = lost().intersection(mesh.layout.ranks)
         if dead:
             self._abort(mesh, dead)
+        self.stop(self._stops)  # read after registering: none falls between the two
 
     def hit(self, new: Iterable[int]) -> None:
         """Abort the open guarded meshes that hold a rank of ``new`` (newly learned deaths)."""
@@ -79,10 +82,12 @@ class Guard:
         members, attempt)``: those over the same members guarded before that attempt's
         agreement, never one re-formed after it (a stop the thread reads late must not
         abort the survivors' new mesh), nor a mesh of other members."""
+        stops = set(stops)
+        self._stops |= stops
         for mesh in self.meshes:
             key, since = self._since.get(id(mesh), ("", 0))
             hit = sorted(stopped(stops, key, since).intersection(mesh.layout.ranks))
-            if hit and not mesh.closed:
+            if hit and not mesh.closed and not mesh.aborted:
                 mesh.abort(f"when rank(s) {hit} stopped the step (an exception in it)")
 
     def abort_members(self, keys: set[str], why: str) -> None:
