@@ -166,7 +166,9 @@ def ledger_requests(
         with lock:
             if isinstance(request, rules.Steps):
                 return ledger.steps(members)
-            fenced = isinstance(request, rules.Fence) and ledger.fence(request.start, request.chain)
+            fenced = isinstance(request, rules.Fence) and ledger.fence(
+                request.start, request.chain, request.count
+            )
         if isinstance(request, rules.Fence):
             if fenced:
                 on_fence(request.chain)

@@ -246,16 +246,19 @@ class Ledger:
             self.committed[new] = self.committed.pop(key, 0)
             self.attempts.setdefault(new, 0)
 
-    def fence(self, start: tuple[str, int], chain: Iterable[tuple[str, int]]) -> bool:
+    def fence(
+        self, start: tuple[str, int], chain: Iterable[tuple[str, int]], count: int = 0
+    ) -> bool:
         """Fence every attempt of ``chain`` (this rank answers for them: no vote of its own
-        there commits), where the ledger is still at ``start``; whether it was.
+        there commits), where the ledger is still at ``start`` with ``count`` committed
+        steps there (a step that committed meanwhile makes the answer stale); whether it was.
 
         >>> ledger = Ledger()
         >>> ledger.fence(("m2.0-1", 0), [("m2.0-1", 0), ("m2.0-1", 1)]), ledger.commit("m2.0-1", 0)
         (True, False)
         """
         key, attempt = start
-        if self.attempt(key) != attempt:
+        if self.attempt(key) != attempt or self.committed.get(key, 0) != count:
             return False
         self.answered.update(chain)
         return True
@@ -357,11 +360,12 @@ class Steps:
 @dataclass(frozen=True)
 class Fence:
     """Fence ``chain`` (the attempts this rank answers for, from ``start`` on), unless the
-    ledger's attempt of ``start[0]`` moved past ``start[1]`` meanwhile; answered with
-    whether it fenced (:meth:`Ledger.fence`)."""
+    ledger moved from ``start`` (its attempt, or ``count``, its committed steps there)
+    meanwhile; answered with whether it fenced (:meth:`Ledger.fence`)."""
 
     start: tuple[str, int]
     chain: tuple[tuple[str, int], ...]
+    count: int
 
 
 def answer_ask(*, rank: int, prefix: str, key: str, attempt: int) -> Generator[Any, Any, None]:
@@ -377,7 +381,19 @@ def answer_ask(*, rank: int, prefix: str, key: str, attempt: int) -> Generator[A
     when it gets there. Where a decision on the way is not written yet, or lost
     this rank, it does not answer (the asker is answered by its own agreement).
     """
+    for _ in range(8):  # again where a step committed between the read and the fence
+        answered = yield from _answer_once(rank=rank, prefix=prefix, key=key, attempt=attempt)
+        if answered is not None:
+            return
+
+
+def _answer_once(
+    *, rank: int, prefix: str, key: str, attempt: int
+) -> Generator[Any, Any, bool | None]:
+    """One try of :func:`answer_ask`: True once answered, False where it must not answer,
+    None where the ledger moved meanwhile (try again)."""
     for start_key, members, at, count in (yield Steps()):
+        start = (start_key, at, count)
         chain = [(start_key, at)]
         while (start_key, at) != (key, attempt) and len(chain) < 64:
             name = agreement_name(members, f"event{at}")
@@ -386,7 +402,7 @@ def answer_ask(*, rank: int, prefix: str, key: str, attempt: int) -> Generator[A
                 break
             lost = decision_of(text)
             if rank in lost:
-                return
+                return False
             highest = committed_of(text)
             count = count if highest is None else highest
             if lost.intersection(members):
@@ -397,8 +413,9 @@ def answer_ask(*, rank: int, prefix: str, key: str, attempt: int) -> Generator[A
             chain.append((start_key, at))
         if (start_key, at) != (key, attempt):
             continue
-        if not (yield Fence(chain[0], tuple(chain))):
-            return
+        if not (yield Fence(start[:2], tuple(chain), start[2])):
+            return None
         keys = Keys(f"{prefix}/agree/{agreement_name(members, f'event{attempt}')}")
         yield from answer(keys, members, rank, committed=count)
-        return
+        return True
+    return False
