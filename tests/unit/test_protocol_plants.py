@@ -1,6 +1,7 @@
 """The simulation can fail: each bug below, planted alone, makes it fail with a shrunk
-schedule (printed; the session notes quote them). A marked lane (``fault``): each
-plant explores until it fails, then hypothesis shrinks the schedule.
+schedule (printed with ``-s``). Marked ``slow`` alone (run by hand: ``pytest -m slow
+tests/unit/test_protocol_plants.py -s``): each plant explores until it fails, then
+hypothesis shrinks the schedule, a minute or two in all.
 
 The fourth plant of issue 43 (a link's verdict from "a byte in flight at each check")
 is planted against the link machine's own property test, in ``test_links.py``.
@@ -50,7 +51,7 @@ def planted(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     yield request.param
 
 
-@pytest.mark.fault
+@pytest.mark.slow
 def test_the_simulation_finds_each_planted_bug(planted: str, capsys: Any) -> None:
     explore = settings(
         max_examples=20_000,
