@@ -550,9 +550,12 @@ class Simulation:
             self._abort(m)
             return None
         if isinstance(request, rules.Steps | rules.Fence):
-            return ledger_requests(
-                m.ledger, m.lock, m.members, lambda chain: self._settled(m, chain)
-            )(request)
+
+            def settled(chain: tuple[tuple[str, int], ...]) -> None:
+                if not m.closing:  # a closing watch leaves the caller's meshes alone
+                    self._settled(m, chain)
+
+            return ledger_requests(m.ledger, m.lock, m.members, settled)(request)
         step = StepDriver(
             self.store,
             m.record,

@@ -540,16 +540,16 @@ class LivenessWatch:
 
     def _on_asks(self, asks: list[tuple[str, int]]) -> None:
         """Answer each ask of a member in doubt (store thread): check in for this rank with
-        its count of committed steps, fencing the attempt (:meth:`Ledger.answer
-        <scopedmesh.fault.protocol.verdict.Ledger.answer>`), so that nobody waits on this
-        rank's compute."""
+        its count of committed steps, fencing the attempt (:func:`~scopedmesh.fault.
+        protocol.verdict.answer_ask`), so that nobody waits on this rank's compute."""
         for key, attempt in asks:
             self._answer(self._waiting_store, key, attempt)
 
-    def _answer(self, store: Any, key: str, attempt: int) -> None:
+    def _answer(self, store: Any, key: str, attempt: int, *, closing: bool = False) -> None:
         """Check in for this rank to ``attempt`` of the members ``key`` it steps on, with
         the count it has or will have there (:func:`~scopedmesh.fault.protocol.verdict.
-        answer_ask`); nothing where it cannot tell."""
+        answer_ask`); nothing where it cannot tell. Its meshes of those members are then
+        aborted, unless it is ``closing`` (the meshes are the caller's to use still)."""
         with self._ledger_lock:
             members = self._members.get(key)
         if members is not None:  # the clean-up finds the agreement's keys
@@ -557,7 +557,8 @@ class LivenessWatch:
             if name not in self._tags:
                 store.append(self.keys.tags, name + "\n")
         steps = rules.answer_ask(rank=self.rank, prefix=self.prefix, key=key, attempt=attempt)
-        other = ledger_requests(self._ledger, self._ledger_lock, self._members, self._on_fence)
+        on_fence = (lambda chain: None) if closing else self._on_fence
+        other = ledger_requests(self._ledger, self._ledger_lock, self._members, on_fence)
         Driver(store, self._record, other).run(steps)
 
     def _on_fence(self, chain: tuple[tuple[str, int], ...]) -> None:
@@ -663,7 +664,7 @@ class LivenessWatch:
         with self._ledger_lock:
             next_attempts = [(key, at) for key, _, at, _ in self._ledger.steps(self._members)]
         for key, attempt in next_attempts:
-            self._answer(self._store, key, attempt)
+            self._answer(self._store, key, attempt, closing=True)
 
     def _clean_up(self) -> None:
         """The last member to close deletes the watch's keys (:func:`~scopedmesh.fault.
