@@ -10,12 +10,14 @@ every replica of the job died are told that no live replica is left.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
 import _workers_grow as grow_workers
 import _workers_replica_checks as workers
 import pytest
+import torch
 import torch.distributed as dist
 
 from scopedmesh import job_view
@@ -84,6 +86,34 @@ def test_a_replica_of_another_local_is_refused_without_writing() -> None:
         check_shape(store, KEYS, JobShape(2, 1, replica=2))
     assert store.num_keys() == keys
     assert check_shape(store, KEYS, JobShape(3, 2, replica=2)) == JobShape(3, 2, replica=1)
+
+
+def test_replicas_of_another_shape_opens_nothing_and_joins_no_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refusal comes before the slot's listener, the token's broadcast and any key."""
+    from scopedmesh.fault import replicas as module
+
+    opened: list[object] = []  # side effects: a listener, a collective
+    monkeypatch.setattr(socket, "create_server", lambda *a, **k: opened.append(("listener", a)))
+    monkeypatch.setattr(module.dist, "broadcast", lambda *a, **k: opened.append(("bcast", a)))
+    monkeypatch.setattr(module.dist, "all_reduce", lambda *a, **k: opened.append(("reduce", a)))
+    monkeypatch.setattr(module.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(module.dist, "get_backend", lambda group=None: "gloo")
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    store.set(KEYS.shape, JobShape(3, 2, replica=0).text())
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(
+        JobMismatchError, match=r"^replica 1: replicas=4 differs from the job's replicas=3, set by"
+    ):
+        module.Replicas(store, replica=1, replicas=4, state={"model": model})
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 3)
+    with pytest.raises(
+        ValueError, match=r"local=3 \(this replica's ranks\) differs from the job's local=2"
+    ):
+        module.Replicas(store, replica=1, replicas=3, state={"model": model})
+    assert opened == [] and store.num_keys() == 1
 
 
 def test_a_tensor_of_another_shape_is_named_and_its_replica_is_not_restarted() -> None:
