@@ -14,7 +14,16 @@ from scopedmesh.fault.protocol.membership import (
     Joining,
     complete_joiners,
     never_announced,
+    no_state_left,
     propose,
 )
 
-__all__ = ["Decision", "JobShape", "Joining", "complete_joiners", "never_announced", "propose"]
+__all__ = [
+    "Decision",
+    "JobShape",
+    "Joining",
+    "complete_joiners",
+    "never_announced",
+    "no_state_left",
+    "propose",
+]

@@ -64,7 +64,13 @@ from scopedmesh.errors import (
 )
 from scopedmesh.fault.dp_groups import Drops, check_backend, form_group
 from scopedmesh.fault.probes import SlotProbes
-from scopedmesh.fault.protocol.membership import Decision, JobShape, Joining, propose
+from scopedmesh.fault.protocol.membership import (
+    Decision,
+    JobShape,
+    Joining,
+    no_state_left,
+    propose,
+)
 from scopedmesh.fault.records import Records, check_shape, with_step
 from scopedmesh.fault.state_transfer import (
     CollectiveFailed,
@@ -398,7 +404,10 @@ class Replicas:
                 self._check_live(join, epoch)
             if time.monotonic() >= deadline and join.newest is None:
                 for r, c in self._records.slots():  # once, for the message: who is missing
-                    join.announced(r, c, read(store, keys.join(r, c)))
+                    token = read(store, keys.join(r, c))
+                    join.announced(r, c, token)
+                    if token is not None and self._probes.gone(r, c, token):
+                        join.died(r, token)
             self._wait_or_fail(deadline, join.waiting_for(epoch))
 
     def _check_live(self, join: Joining, epoch: int) -> None:
@@ -494,12 +503,9 @@ class Replicas:
             if not undecided:
                 joins = store.add(keys.joins, 0)
                 alive = {r: t for r, t in current.members if r not in dead}
-                if alive and not set(alive) - self._behind:
-                    raise RuntimeError(
-                        f"replica {self.replica}: every replica holding the job's state died "
-                        f"while replicas {sorted(alive)} caught up from them in epoch "
-                        f"{current.epoch}; restart the job from a checkpoint"
-                    )
+                lost = no_state_left(alive, self._behind, current.epoch)
+                if lost is not None:
+                    raise NoLiveReplicaError(f"replica {self.replica}: {lost}")
                 joiners = self._records.joiners(current)
                 proposal = propose(nxt, alive, joiners, joins, behind=self._behind)
                 return Decision.parse(nxt, self._records.decide(proposal))

@@ -14,6 +14,7 @@ from scopedmesh.fault.protocol.membership import (
     Joining,
     complete_joiners,
     never_announced,
+    no_state_left,
 )
 
 shapes = st.builds(JobShape, st.integers(1, 6), st.integers(1, 4), st.integers(0, 5))
@@ -170,3 +171,41 @@ def test_before_any_epoch_there_is_no_verdict_of_death() -> None:
 )  # fmt: skip
 def test_a_refusal_names_both_values(mine: JobShape, job: JobShape, expected: str) -> None:
     assert mine.refusal(job) == expected
+
+
+@given(
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.lists(slots, max_size=12, unique_by=lambda s: s[:2]),
+    st.lists(st.tuples(st.integers(0, 4), st.sampled_from(["a", "b"])), max_size=6),
+)
+def test_a_dead_incarnations_announcement_counts_for_nothing(
+    replicas: int,
+    local: int,
+    announced: list[tuple[int, int, str | None]],
+    deaths: list[tuple[int, str]],
+) -> None:
+    announced = [(r, c, t) for r, c, t in announced if r < replicas and c < local]
+    join = Joining(0, "z", replicas=replicas, local=local)
+    for r, c, t in announced:
+        join.announced(r, c, t)
+    for death in deaths:
+        join.died(*death)
+    alive = [(r, c, t) for r, c, t in announced if t is not None and (r, t) not in set(deaths)]
+    assert join.never_announced == never_announced(alive, replicas, local)
+
+
+@given(
+    st.frozensets(st.integers(0, 6), max_size=5),
+    st.frozensets(st.integers(0, 6), max_size=5),
+    st.integers(0, 100),
+)
+def test_no_state_is_left_exactly_when_every_survivor_is_still_catching_up(
+    alive: frozenset[int], behind: frozenset[int], epoch: int
+) -> None:
+    why = no_state_left(alive, behind, epoch)
+    assert (why is None) == (not alive or bool(alive - behind))
+    if why is not None:
+        assert why.startswith("no live replica holds the job's state")
+        assert f"replicas {sorted(alive)} caught up from them in epoch {epoch}" in why
+        assert why.endswith("restart the job from a checkpoint")

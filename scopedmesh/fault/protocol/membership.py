@@ -35,6 +35,7 @@ __all__ = [
     "Joining",
     "complete_joiners",
     "never_announced",
+    "no_state_left",
     "propose",
 ]
 
@@ -125,6 +126,25 @@ def propose(
     source = min(current or survivors or members)
     fresh = tuple(sorted(set(members) - set(survivors))) if catch_up and survivors else ()
     return Decision(epoch, tuple(sorted(members.items())), source, joins, fresh)
+
+
+def no_state_left(alive: Iterable[int], behind: Iterable[int], epoch: int) -> str | None:
+    """After deaths in ``epoch``: why none of the ``alive`` member replicas holds the job's
+    state (each is a joiner still catching up, ``behind``), or None if one does.
+
+    >>> no_state_left([1, 2], [1], 6) is None
+    True
+    >>> print(no_state_left([1], [1], 6))
+    no live replica holds the job's state: every replica in step died while replicas [1] caught up from them in epoch 6; restart the job from a checkpoint
+    """
+    alive = sorted(set(alive))
+    if not alive or set(alive) - set(behind):
+        return None
+    return (
+        f"no live replica holds the job's state: every replica in step died while "
+        f"replicas {alive} caught up from them in epoch {epoch}; restart the job from a "
+        f"checkpoint"
+    )
 
 
 def complete_joiners(
@@ -220,13 +240,16 @@ class Joining:
     replica holds the job's state, and none will admit it).
 
     >>> join = Joining(1, "b2", replicas=2, local=1)
-    >>> join.announced(0, 0, "a")
+    >>> join.announced(0, 0, "a"); join.announced(1, 0, "b2")
     >>> join.waiting_for(0)
-    "replicas [1] to announce themselves (the job's first epoch needs all 2; announced: [0])"
-    >>> join.decided(Decision(3, ((0, "a"), (1, "b")), 0, 2))
+    "replicas [] to announce themselves (the job's first epoch needs all 2; announced: [0, 1])"
+    >>> join.died(0, "a")  # its announcement stays, but it is dead: it counts for nothing
+    >>> join.waiting_for(0)
+    "replicas [0] to announce themselves (the job's first epoch needs all 2; announced: [1])"
+    >>> join.decided(Decision(3, ((0, "a2"), (1, "b")), 0, 2))
     >>> join.admitted is None, join.waiting_for(4)
     (True, 'an epoch that admits replica 1 (from epoch 4): the members of epoch 3, replicas [0, 1], admit a joiner at their next step')
-    >>> join.died(0, "a"); join.died(1, "b")
+    >>> join.died(0, "a2"); join.died(1, "b")
     >>> join.no_live_replica
     True
     """
@@ -263,8 +286,13 @@ class Joining:
 
     @property
     def never_announced(self) -> tuple[int, ...]:
-        """The replicas without a complete announcement (:func:`never_announced`)."""
-        slots = [(r, c, t) for (r, c), t in self._announced.items()]
+        """The replicas without a complete announcement (:func:`never_announced`) by an
+        incarnation not known dead (a dead one's announcement stays in the store)."""
+        slots = [
+            (r, c, None if (r, t) in self._dead else t)
+            for (r, c), t in self._announced.items()
+            if t is not None
+        ]
         return never_announced(slots, self.replicas, self.local)
 
     @property
