@@ -4,9 +4,12 @@ live replica", checked for every order in which the store's events can arrive.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scopedmesh.fault.protocol.membership import (
     Decision,
@@ -15,6 +18,7 @@ from scopedmesh.fault.protocol.membership import (
     complete_joiners,
     never_announced,
     no_state_left,
+    propose,
 )
 
 shapes = st.builds(JobShape, st.integers(1, 6), st.integers(1, 4), st.integers(0, 5))
@@ -209,3 +213,140 @@ def test_no_state_is_left_exactly_when_every_survivor_is_still_catching_up(
         assert why.startswith("no live replica holds the job's state")
         assert f"replicas {sorted(alive)} caught up from them in epoch {epoch}" in why
         assert why.endswith("restart the job from a checkpoint")
+
+
+# ------------------------------------------------------------------ the rules, explored
+
+
+class MembershipMachine(RuleBasedStateMachine):
+    """Replicas of one slot start (some with another ``replicas=``), announce, die and
+    restart; epochs are decided by the rules the library runs (:class:`JobShape`'s
+    first writer, :func:`propose`, :func:`complete_joiners`), over a simulated
+    ``compare_set`` store; a starting incarnation's :class:`Joining` is fed what the
+    store holds and which incarnations are dead, in a shuffled order. After every
+    event: one job shape, held by every accepted incarnation; a refused incarnation
+    wrote nothing; "no live replica" is said exactly when no member of the newest
+    epoch lives, and a waiting replica names exactly the replicas without a live,
+    complete announcement."""
+
+    REPLICAS = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = CompareSetStore()
+        self.first: JobShape | None = None  # the shape of the first start (the job's)
+        self.live: dict[str, int] = {}  # token -> replica, accepted and alive
+        self.dead: set[tuple[int, str]] = set()
+        self.refused = 0
+        self.count = 0
+        self.shapes: dict[str, JobShape] = {}  # token -> the shape it started with, accepted
+
+    def _decisions(self) -> list[Decision]:
+        found, epoch = [], 0
+        while f"decision/{epoch}" in self.store.values:
+            found.append(Decision.parse(epoch, self.store.values[f"decision/{epoch}"]))
+            epoch += 1
+        return found
+
+    def _announced(self) -> list[tuple[int, int, str | None]]:
+        return [(r, 0, self.store.values.get(f"join/{r}")) for r in range(self.REPLICAS)]
+
+    @rule(replica=st.integers(0, REPLICAS - 1), other=st.booleans())
+    def start(self, replica: int, other: bool) -> None:
+        replicas = self.REPLICAS + 1 if other else self.REPLICAS
+        mine = JobShape(replicas, 1, replica)
+        self.first = self.first or mine
+        keys = dict(self.store.values)
+        job = JobShape.parse(self.store.compare_set("shape", "", mine.text()))
+        if mine.refusal(job) is not None:  # refused: nothing written, nothing announced
+            assert self.store.values == keys
+            self.refused += 1
+            return
+        self.count += 1
+        token = f"t{self.count}"
+        self.shapes[token] = mine
+        self.live[token] = replica
+        self.store.values[f"join/{replica}"] = token
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def kill(self, data: st.DataObject) -> None:
+        token = data.draw(st.sampled_from(sorted(self.live)))
+        self.dead.add((self.live.pop(token), token))
+
+    @rule()
+    def decide(self) -> None:
+        """The next epoch, by a live member of the newest (or, first, a live joiner)."""
+        decisions = self._decisions()
+        joiners = {
+            r: t
+            for r, t in complete_joiners(self._announced(), 1).items()
+            if (r, t) not in self.dead
+        }
+        if not decisions:
+            if len(joiners) == self.REPLICAS and self.live:
+                self.store.compare_set("decision/0", "", propose(0, {}, joiners, 0).text())
+            return
+        newest = decisions[-1]
+        survivors = {r: t for r, t in newest.members if (r, t) not in self.dead}
+        if not survivors:
+            return  # nobody can decide: what a joiner must be told
+        joiners = {r: t for r, t in joiners.items() if newest.token(r) != t}
+        nxt = propose(newest.epoch + 1, survivors, joiners, 0, catch_up=True)
+        self.store.compare_set(f"decision/{nxt.epoch}", "", nxt.text())
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def look(self, data: st.DataObject) -> None:
+        """A live incarnation's view, from the store's events in any order."""
+        token = data.draw(st.sampled_from(sorted(self.live)))
+        replica = self.live[token]
+        decisions = self._decisions()
+        events: list[tuple[str, Any]] = [("decided", d) for d in decisions]
+        events += [("died", d) for d in self.dead]
+        events += [("announced", a) for a in self._announced()]
+        order = data.draw(st.permutations(events))
+        join = Joining(replica, token, replicas=self.REPLICAS, local=1)
+        for kind, value in order:
+            if kind == "decided":
+                join.decided(value)
+            elif kind == "died":
+                join.died(*value)
+            else:
+                join.announced(*value)
+        newest = decisions[-1] if decisions else None
+        assert join.newest == newest
+        if newest is None:
+            live = {
+                r
+                for r, t in complete_joiners(self._announced(), 1).items()
+                if (r, t) not in self.dead
+            }
+            assert set(join.never_announced) == set(range(self.REPLICAS)) - live
+            assert not join.no_live_replica
+            return
+        admitted = newest.token(replica) == token
+        assert (join.admitted is not None) == admitted
+        alive = [r for r, t in newest.members if (r, t) not in self.dead]
+        assert join.no_live_replica == (not admitted and not alive)
+
+    @invariant()
+    def one_job_shape(self) -> None:
+        if self.first is None:
+            return
+        job = JobShape.parse(self.store.values["shape"])
+        assert job == self.first
+        for shape in self.shapes.values():  # every accepted start matches the job
+            assert (shape.replicas, shape.local) == (job.replicas, job.local)
+        for decision in self._decisions():  # only accepted incarnations are ever members
+            assert all(r < job.replicas for r in decision.replicas)
+
+    @invariant()
+    def members_were_live_announcers(self) -> None:
+        tokens = set(self.live) | {t for _, t in self.dead}
+        for decision in self._decisions():
+            assert {t for _, t in decision.members} <= tokens
+
+
+TestMembershipMachine = MembershipMachine.TestCase
+TestMembershipMachine.settings = settings(max_examples=300, stateful_step_count=30)
