@@ -420,6 +420,7 @@ class Replicas:
             if any(self._probes.gone(replica, c, token) for c in range(self.local)):
                 join.died(replica, token)
         if join.no_live_replica and read(self._store, self.keys.decision(epoch)) is None:
+            self._check_finished()  # members that finished the job closed: not a death
             raise NoLiveReplicaError(f"replica {self.replica}: {join.no_live_message()}")
 
     def _bootstrap(self) -> str | None:
