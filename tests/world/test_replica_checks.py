@@ -52,7 +52,8 @@ def test_a_replica_started_with_other_replicas_is_refused_and_the_other_names_it
         _until(job, "replica 1's refusal", lambda: 1 in job.final, BOUND)
         _until(job, "replica 0's report", lambda: (0, 0) in job.results, BOUND)
         store = job.store
-        # Refused before any side effect: no announcement, no join counted, no address.
+        # Refused before any side effect: no announcement, no join counted (the listener and
+        # the collectives: test_replicas_of_another_shape_opens_nothing_and_joins_no_collective).
         assert read(store, KEYS.join(1, 0)) is None
         assert read(store, KEYS.joins) == "1"
         assert JobShape.parse(read(store, KEYS.shape) or "") == JobShape(2, 1, replica=0)
