@@ -19,8 +19,10 @@ from scopedmesh.errors import (
     CoordinateError,
     GroupFormationError,
     JobFinishedError,
+    JobMismatchError,
     LostRankError,
     MeshClosedError,
+    NoLiveReplicaError,
     StepError,
 )
 from scopedmesh.layout import MeshLayout
@@ -28,7 +30,7 @@ from scopedmesh.layout import MeshLayout
 if TYPE_CHECKING:
     from scopedmesh.fault.heal import agree_on_lost, reform
     from scopedmesh.fault.liveness import LivenessWatch
-    from scopedmesh.fault.membership import Decision
+    from scopedmesh.fault.protocol.membership import Decision
     from scopedmesh.fault.records import JobView, job_view
     from scopedmesh.fault.replicas import Replicas
     from scopedmesh.layout.placement import node_aware_ranks
@@ -42,11 +44,13 @@ __all__ = [
     "Decision",
     "GroupFormationError",
     "JobFinishedError",
+    "JobMismatchError",
     "JobView",
     "LivenessWatch",
     "LostRankError",
     "MeshClosedError",
     "MeshLayout",
+    "NoLiveReplicaError",
     "ProcessGroupMesh",
     "Replicas",
     "StepError",
@@ -68,7 +72,7 @@ _LAZY = MappingProxyType(
         "ProcessGroupMesh": "scopedmesh.mesh",
         "LivenessWatch": "scopedmesh.fault.liveness",
         "Replicas": "scopedmesh.fault.replicas",
-        "Decision": "scopedmesh.fault.membership",
+        "Decision": "scopedmesh.fault.protocol.membership",
         "JobView": "scopedmesh.fault.records",
         "job_view": "scopedmesh.fault.records",
         "agree_on_lost": "scopedmesh.fault.heal",

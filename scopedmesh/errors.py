@@ -17,8 +17,10 @@ __all__ = [
     "CoordinateError",
     "GroupFormationError",
     "JobFinishedError",
+    "JobMismatchError",
     "LostRankError",
     "MeshClosedError",
+    "NoLiveReplicaError",
     "StepError",
 ]
 
@@ -67,6 +69,18 @@ class StepError(RuntimeError):
 class JobFinishedError(RuntimeError):
     """A replica started after its replicated job finished (``Replicas.finish()``): there
     is nothing to rejoin, and the process should exit."""
+
+
+class JobMismatchError(ValueError):
+    """A replica does not match the replicated job it starts in: its ``replicas`` or its
+    number of ranks differs from the job's, or the state it receives does not fit its
+    own tensors (a model or configuration that differs). A program error, not a fault:
+    a restart of the replica will not help, and a launcher should not restart it."""
+
+
+class NoLiveReplicaError(RuntimeError):
+    """A replica started in a replicated job whose every member died: no replica holds
+    the job's state, and none will admit it. Restart the job from a checkpoint."""
 
 
 _SHOWN = reprlib.Repr()

@@ -423,6 +423,11 @@ class ReplicaKeys:
         return f"{self.root}/joins"
 
     @property
+    def shape(self) -> str:
+        """The job's ``replicas`` and ``local``, written once by its first slot (``compare_set``)."""
+        return f"{self.root}/shape"
+
+    @property
     def latest(self) -> str:
         """The newest epoch that formed (a joiner starts looking there)."""
         return f"{self.root}/latest"

@@ -3,7 +3,7 @@
 :mod:`~scopedmesh.fault.liveness` (who is alive, and the abort of guarded
 meshes), :mod:`~scopedmesh.fault.heal` (re-forming a mesh around lost ranks),
 :mod:`~scopedmesh.fault.replicas` (replicas that grow back), with
-:mod:`~scopedmesh.fault.membership` and :mod:`~scopedmesh.fault.state_transfer`
+:mod:`~scopedmesh.fault.protocol.membership` and :mod:`~scopedmesh.fault.state_transfer`
 beneath it. The mesh knows only that it can be aborted.
 
 >>> from scopedmesh.fault import LivenessWatch, Replicas

@@ -48,8 +48,8 @@ import torch.distributed as dist
 from scopedmesh.c10d.nccl import error_handling_problem
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import shown
-from scopedmesh.fault.membership import Decision
 from scopedmesh.fault.probes import PROBE_EVERY, SlotProbes
+from scopedmesh.fault.protocol.membership import Decision
 from scopedmesh.fault.state_transfer import CollectiveFailed
 
 __all__ = [

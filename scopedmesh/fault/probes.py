@@ -26,7 +26,7 @@ from typing import Any
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import LostRankError
 from scopedmesh.fault.links import UNREACHABLE, UNREACHABLE_AFTER, Links, Slot, WatchedGroup
-from scopedmesh.fault.membership import Decision
+from scopedmesh.fault.protocol.membership import Decision
 
 __all__ = ["PROBE_EVERY", "PROBE_WAIT", "SlotProbes", "cut_off", "probe", "route_address"]
 

@@ -3,8 +3,9 @@ epoch's decision (written once), the clean-up of what older epochs left, and the
 job's step as a launcher reads it (:func:`job_view`).
 
 One :class:`Records` per slot, over the job's store; what the records mean
-(:class:`~scopedmesh.fault.membership.Decision`, :func:`~scopedmesh.fault.membership.propose`)
-is pure and lives in :mod:`~scopedmesh.fault.membership`.
+(:class:`~scopedmesh.fault.protocol.membership.Decision`,
+:func:`~scopedmesh.fault.protocol.membership.propose`)
+is pure and lives in :mod:`~scopedmesh.fault.protocol.membership`.
 
 >>> import torch.distributed as dist
 >>> from scopedmesh.c10d.store import ReplicaKeys
@@ -22,10 +23,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from scopedmesh.c10d.store import ReplicaKeys, read
-from scopedmesh.fault.membership import Decision, complete_joiners
+from scopedmesh.errors import JobMismatchError
 from scopedmesh.fault.probes import SlotProbes
+from scopedmesh.fault.protocol.membership import Decision, JobShape, complete_joiners
 
-__all__ = ["REPORT_EVERY", "STEP_NAME", "JobView", "Records", "StepCount", "job_view", "with_step"]
+__all__ = [
+    "REPORT_EVERY",
+    "STEP_NAME",
+    "JobView",
+    "Records",
+    "StepCount",
+    "check_shape",
+    "job_view",
+    "with_step",
+]
 
 STEP_NAME = "scopedmesh.step"  # the registered state's name for the job's step count
 REPORT_EVERY = 1.0  # seconds: the source writes the step at most this often between epochs
@@ -61,6 +72,31 @@ def with_step(state: dict[str, Any]) -> tuple[dict[str, Any], StepCount]:
         )
     count = StepCount()
     return {**state, STEP_NAME: count}, count
+
+
+def check_shape(store: Any, keys: ReplicaKeys, mine: JobShape) -> JobShape:
+    """The job's shape: ``mine`` if this slot is the job's first to start (it writes it,
+    ``compare_set``), else the one the store holds; a :class:`JobMismatchError` naming
+    both values if they differ (nothing written then).
+
+    >>> import torch.distributed as dist
+    >>> store = dist.HashStore()
+    >>> check_shape(store, ReplicaKeys(), JobShape(3, 2, replica=1))
+    JobShape(replicas=3, local=2, replica=1)
+    >>> check_shape(store, ReplicaKeys(), JobShape(4, 2, replica=0))
+    Traceback (most recent call last):
+    scopedmesh.errors.JobMismatchError: replica 0: replicas=4 differs from the job's replicas=3, set by replica 1. Every replica of a job starts with the same replicas= and the same number of ranks in its group; this one was refused before it took part, and a restart with these arguments will not help
+    """
+    value = store.compare_set(keys.shape, "", mine.text())
+    job = JobShape.parse(value.decode() if isinstance(value, bytes) else str(value))
+    refusal = mine.refusal(job)
+    if refusal is not None:
+        raise JobMismatchError(
+            f"replica {mine.replica}: {refusal}. Every replica of a job starts with the same "
+            f"replicas= and the same number of ranks in its group; this one was refused "
+            f"before it took part, and a restart with these arguments will not help"
+        )
+    return job
 
 
 class Records:

@@ -55,11 +55,23 @@ import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_timeout
 from scopedmesh.c10d.store import ReplicaKeys, read
-from scopedmesh.errors import JobFinishedError, LostRankError, StepError, shown
+from scopedmesh.errors import (
+    JobFinishedError,
+    JobMismatchError,
+    LostRankError,
+    NoLiveReplicaError,
+    shown,
+)
 from scopedmesh.fault.dp_groups import Drops, check_backend, form_group
-from scopedmesh.fault.membership import Decision, propose
 from scopedmesh.fault.probes import SlotProbes
-from scopedmesh.fault.records import Records, with_step
+from scopedmesh.fault.protocol.membership import (
+    Decision,
+    JobShape,
+    Joining,
+    no_state_left,
+    propose,
+)
+from scopedmesh.fault.records import Records, check_shape, with_step
 from scopedmesh.fault.state_transfer import (
     CollectiveFailed,
     Stateful,
@@ -78,9 +90,12 @@ from scopedmesh.fault.verdict import (
     check_tensors,
     group_device,
     max_options,
+    verdict_error,
 )
 
-__all__ = ["Replicas", "Stateful", "Transfer", "group_device"]
+__all__ = ["LIVE_EVERY", "Replicas", "Stateful", "Transfer", "group_device"]
+
+LIVE_EVERY = 1.0  # seconds: how often a joiner probes the newest epoch's members
 
 
 class Replicas:
@@ -131,6 +146,8 @@ class Replicas:
         self.coordinate = dist.get_rank(group)
         self.local = dist.get_world_size(group)
         self.keys = ReplicaKeys()
+        # Before any other side effect (no listener, no collective): the job's shape.
+        check_shape(store, self.keys, JobShape(self.replicas, self.local, self.replica))
         self.decision: Decision | None = None
         self.transfers: list[Transfer] = []
         self.failure: str | None = None  # the last dp collective that failed here, and why
@@ -300,30 +317,20 @@ class Replicas:
             joins,
             None if self._error is None else mine,
             None if self._unmovable is None else mine,
+            mine if isinstance(self._error, JobMismatchError) else None,
         )
 
     def _raise_if_error(self, flags: Flags, where: str) -> None:
         """After a verdict: if this replica's rank raised, close and raise on every rank of
         it; if a source could not pack its state, on every member."""
-        unmovable, at = flags.unmovable_at, flags.error_at
-        if unmovable is None and at is None:
-            return
+        unmovable = flags.unmovable_at
         origin: BaseException | None = self._unmovable if unmovable is not None else self._error
+        error = verdict_error(flags, origin, self.replica, self._current().source, where)
+        if error is None:
+            return
         self._error = self._unmovable = None
         self.close()  # this slot's listener closes: the other replicas' heal sees it gone
-        raised = "" if origin is None else f": {type(origin).__name__}: {origin}"
-        if unmovable is not None:
-            raise StepError(
-                f"replica {self._current().source} coordinate {unmovable} (the source) could "
-                f"not pack its registered state in {where}{raised}; no replica can take the "
-                f"job's state from it, so every member stops: fix the state and restart "
-                f"from a checkpoint"
-            ) from origin
-        raise StepError(
-            f"replica {self.replica} coordinate {at} raised in {where}"
-            f"{raised or ' (its own StepError names the exception)'}; the step failed on "
-            f"every member, and this replica left the job (restart it to rejoin)"
-        ) from origin
+        raise error from origin
 
     # ------------------------------------------------------------------ lifetime
 
@@ -372,7 +379,8 @@ class Replicas:
         dist.all_reduce(torch.zeros(1, device=self._device), group=self._group)
         if self.coordinate == 0:
             store.add(keys.joins, 1)
-        epoch, marked = int(read(store, keys.latest) or 0), -1
+        join = Joining(self.replica, self.token, replicas=self.replicas, local=self.local)
+        epoch, marked, probed = int(read(store, keys.latest) or 0), -1, -LIVE_EVERY
         deadline = time.monotonic() + self._timeout
         while True:
             self._probes.drain()
@@ -381,18 +389,39 @@ class Replicas:
             if text is None and epoch == 0 and read(store, keys.latest) is None:
                 text = self._bootstrap()
             if text is not None:
-                decision = Decision.parse(epoch, text)
-                if decision.token(self.replica) == self.token:
-                    return decision
+                join.decided(Decision.parse(epoch, text))
+                admitted = join.admitted
+                if admitted is not None:
+                    return admitted
                 epoch += 1
                 continue
             if marked != epoch:  # ready ahead: the members that admit it form at once
                 store.set(keys.ready(epoch, self.replica, self.coordinate), "1")
                 marked = epoch
             epoch = max(epoch, int(read(store, keys.latest) or 0))
-            self._wait_or_fail(
-                deadline, f"an epoch that admits replica {self.replica} (from {epoch})"
-            )
+            if join.newest is not None and time.monotonic() - probed >= LIVE_EVERY:
+                probed = time.monotonic()
+                self._check_live(join, epoch)
+            if time.monotonic() >= deadline and join.newest is None:
+                for r, c in self._records.slots():  # once, for the message: who is missing
+                    token = read(store, keys.join(r, c))
+                    join.announced(r, c, token)
+                    if token is not None and self._probes.gone(r, c, token):
+                        join.died(r, token)
+            self._wait_or_fail(deadline, join.waiting_for(epoch))
+
+    def _check_live(self, join: Joining, epoch: int) -> None:
+        """Probe the newest epoch's members (a slot each, until one is found dead); a
+        :class:`NoLiveReplicaError` if every one is dead and no newer epoch was decided."""
+        newest = join.newest
+        if newest is None or newest.epoch != epoch - 1:  # a newer one is yet to be read
+            return
+        for replica, token in newest.members:
+            if any(self._probes.gone(replica, c, token) for c in range(self.local)):
+                join.died(replica, token)
+        if join.no_live_replica and read(self._store, self.keys.decision(epoch)) is None:
+            self._check_finished()  # members that finished the job closed: not a death
+            raise NoLiveReplicaError(f"replica {self.replica}: {join.no_live_message()}")
 
     def _bootstrap(self) -> str | None:
         """The first epoch, once every replica announced; None until then."""
@@ -475,12 +504,9 @@ class Replicas:
             if not undecided:
                 joins = store.add(keys.joins, 0)
                 alive = {r: t for r, t in current.members if r not in dead}
-                if alive and not set(alive) - self._behind:
-                    raise RuntimeError(
-                        f"replica {self.replica}: every replica holding the job's state died "
-                        f"while replicas {sorted(alive)} caught up from them in epoch "
-                        f"{current.epoch}; restart the job from a checkpoint"
-                    )
+                lost = no_state_left(alive, self._behind, current.epoch)
+                if lost is not None:
+                    raise NoLiveReplicaError(f"replica {self.replica}: {lost}")
                 joiners = self._records.joiners(current)
                 proposal = propose(nxt, alive, joiners, joins, behind=self._behind)
                 return Decision.parse(nxt, self._records.decide(proposal))

@@ -45,6 +45,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from scopedmesh.errors import JobMismatchError
+
 __all__ = [
     "CollectiveFailed",
     "Stateful",
@@ -292,6 +294,16 @@ class _Receiver:
         self.plan, self.device = plan, device
         self.values: list[torch.Tensor] = []
 
+    def mismatched(self) -> list[tuple[Path, tuple[int, ...], tuple[int, ...]]]:
+        """The places where this process has a tensor of another shape than the source's:
+        (place, own shape, source's shape)."""
+        found = []
+        for path, _, shape in self.plan.slots:
+            own = self.own.get(path)
+            if own is not None and tuple(own.shape) != shape:
+                found.append((path, tuple(own.shape), shape))
+        return found
+
     def target(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tensor that will hold tensor ``index``, and its uint8 view to receive into
         (None: receive through the staging buffer)."""
@@ -426,8 +438,35 @@ def _take(
             works.append(transport(view, index))
     nbytes = sum(_nbytes(t) for t, _ in targets)
     wait_all(works)
-    plan.load(state, receiver.values)
+    try:
+        plan.load(state, receiver.values)
+    except Exception as error:
+        differ = receiver.mismatched()
+        if not differ:
+            raise
+        raise JobMismatchError(mismatch_message(differ, error)) from error
     return nbytes
+
+
+def mismatch_message(
+    differ: Sequence[tuple[Path, tuple[int, ...], tuple[int, ...]]], error: BaseException
+) -> str:
+    """Why a received state does not fit: each tensor (its key in the registered state)
+    whose shape differs, with both shapes, and the error its load raised.
+
+    >>> print(mismatch_message([(("w", "buf"), (1024,), (512,))], RuntimeError("size")))
+    the source's tensor state['w']['buf'] has shape (512,), this replica's (1024,): the replicas run different programs (a model or configuration that differs), so a restart will not help; fix the program (load_state_dict raised RuntimeError: size)
+    """
+    shown = [
+        f"state{''.join(f'[{p!r}]' for p in path)} has shape {theirs}, this replica's {own}"
+        for path, own, theirs in differ[:3]
+    ]
+    more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+    return (
+        f"the source's tensor {'; '.join(shown)}{more}: the replicas run different programs "
+        f"(a model or configuration that differs), so a restart will not help; fix the "
+        f"program (load_state_dict raised {type(error).__name__}: {_first_line(error)})"
+    )
 
 
 def _packed(

@@ -10,7 +10,7 @@ constructor's arguments, a step's tensors).
 
 >>> flags = Flags.of(ok=False, joins=3, error_at=None, unmovable_at=1)
 >>> flags.values.tolist(), flags.failed, flags.joins, flags.error_at, flags.unmovable_at
-([1, 3, 0, 2], True, 3, None, 1)
+([1, 3, 0, 2, 0], True, 3, None, 1)
 >>> group_device("cpu:gloo,cuda:nccl")
 device(type='cpu')
 """
@@ -26,11 +26,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scopedmesh.errors import shown
+from scopedmesh.errors import JobMismatchError, StepError, shown
 from scopedmesh.fault.state_transfer import Stateful, run
 from scopedmesh.layout.ints import is_int
 
-__all__ = ["Flags", "average", "check_args", "check_tensors", "group_device", "max_options"]
+__all__ = [
+    "Flags",
+    "average",
+    "check_args",
+    "check_tensors",
+    "group_device",
+    "max_options",
+    "verdict_error",
+]
 
 _CPU_BACKENDS = ("gloo", "mpi", "ucc", "fake", "threaded")
 
@@ -132,23 +140,33 @@ def average(pg: Any, tensors: Sequence[torch.Tensor], size: int, contributors: i
 
 @dataclass
 class Flags:
-    """A step's verdict as four integers, MAXed along dp and the replica's group:
+    """A step's verdict as five integers, MAXed along dp and the replica's group:
     ``failed`` (a dp collective failed somewhere), ``joins`` (the joins counter),
     ``error`` (1 + the highest coordinate of this replica where an exception other
     than a failed collective was raised; 0: none), ``unmovable`` (1 + the
-    coordinate whose source could not pack its state). The rank that raised has
-    dropped its dp group, so ``error`` never travels along dp: only its own
-    replica learns it (and leaves); the others see a failed step. ``unmovable``
-    travels everywhere (the group is intact): every member stops."""
+    coordinate whose source could not pack its state), ``mismatch`` (1 + the
+    coordinate of this replica whose registered state did not fit the state it
+    received: a :class:`~scopedmesh.errors.JobMismatchError`, which every rank of
+    the replica raises, since a restart will not help). The rank that raised has
+    dropped its dp group, so ``error`` and ``mismatch`` never travel along dp:
+    only its own replica learns them (and leaves); the others see a failed step.
+    ``unmovable`` travels everywhere (the group is intact): every member stops."""
 
     values: torch.Tensor
 
     @staticmethod
-    def of(ok: bool, joins: int, error_at: int | None, unmovable_at: int | None = None) -> Flags:
+    def of(
+        ok: bool,
+        joins: int,
+        error_at: int | None,
+        unmovable_at: int | None = None,
+        mismatch_at: int | None = None,
+    ) -> Flags:
         error = 0 if error_at is None else error_at + 1
         unmovable = 0 if unmovable_at is None else unmovable_at + 1
-        values = torch.tensor([0 if ok else 1, joins, error, unmovable], dtype=torch.int64)
-        return Flags(values)
+        mismatch = 0 if mismatch_at is None else mismatch_at + 1
+        values = [0 if ok else 1, joins, error, unmovable, mismatch]
+        return Flags(torch.tensor(values, dtype=torch.int64))
 
     @property
     def failed(self) -> bool:
@@ -169,3 +187,52 @@ class Flags:
         """The coordinate whose source could not pack its state, if one could not."""
         unmovable = int(self.values[3])
         return None if unmovable == 0 else unmovable - 1
+
+    @property
+    def mismatch_at(self) -> int | None:
+        """The coordinate of this replica whose state did not fit the source's, if one."""
+        mismatch = int(self.values[4])
+        return None if mismatch == 0 else mismatch - 1
+
+
+def verdict_error(
+    flags: Flags, origin: BaseException | None, replica: int, source: int, where: str
+) -> Exception | None:
+    """What every rank of ``replica`` raises after a verdict (``flags``) in ``where``, or
+    None: a source that could not pack its state stops every member (:class:`StepError`);
+    a state that does not fit this replica's tensors is a program error
+    (:class:`JobMismatchError`: a restart will not help); any other exception raised
+    on a rank of it makes it leave (:class:`StepError`: restart it to rejoin).
+    ``origin`` is what this rank raised, if it raised.
+
+    >>> print(verdict_error(Flags.of(False, 0, 1, None, 1), None, 2, 0, "a step"))
+    replica 2 coordinate 1's registered state does not fit the state it received in a step (its own JobMismatchError names the tensor and both shapes); this replica left the job, and a restart will not help
+    >>> verdict_error(Flags.of(True, 0, None), None, 2, 0, "a step") is None
+    True
+    """
+    unmovable, at, mismatch = flags.unmovable_at, flags.error_at, flags.mismatch_at
+    if unmovable is None and at is None:
+        return None
+    if unmovable is None and mismatch is not None:  # a program error: no restart
+        if isinstance(origin, JobMismatchError):
+            return JobMismatchError(
+                f"replica {replica} coordinate {mismatch}, in {where}: {origin}; this "
+                f"replica left the job (the others go on without it)"
+            )
+        return JobMismatchError(
+            f"replica {replica} coordinate {mismatch}'s registered state does not fit "
+            f"the state it received in {where} (its own JobMismatchError names the tensor "
+            f"and both shapes); this replica left the job, and a restart will not help"
+        )
+    raised = "" if origin is None else f": {type(origin).__name__}: {origin}"
+    if unmovable is not None:
+        return StepError(
+            f"replica {source} coordinate {unmovable} (the source) could not pack its "
+            f"registered state in {where}{raised}; no replica can take the job's state from "
+            f"it, so every member stops: fix the state and restart from a checkpoint"
+        )
+    return StepError(
+        f"replica {replica} coordinate {at} raised in {where}"
+        f"{raised or ' (its own StepError names the exception)'}; the step failed on "
+        f"every member, and this replica left the job (restart it to rejoin)"
+    )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scopedmesh.errors import shown
+from scopedmesh.errors import JobMismatchError, NoLiveReplicaError, shown
 from scopedmesh.layout.ints import is_int
 from scopedmesh.testing.launcher import adopt_environment, host_store, join_world, world_context
 
@@ -55,6 +55,9 @@ def _rank_main(
         join_world(coordinate, local, world_port, "gloo", 60.0)
         result = fn(replica, coordinate, job_port, *args)
         conn.send_bytes(pickle.dumps(("ok", result)))
+    except (JobMismatchError, NoLiveReplicaError):  # a restart will not help: none
+        conn.send_bytes(pickle.dumps(("final", traceback.format_exc())))
+        os._exit(1)
     except Exception:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         os._exit(1)  # a failed rank fails its replica, as under torchrun
@@ -68,7 +71,12 @@ class ReplicaJob:
     """``replicas`` replicas of ``local`` ranks each, restarted up to ``max_restarts`` times
     in all, ``restart_delay`` seconds after a failure is seen. ``start()``, then ``poll()``
     often (it restarts dead replicas), ``kill()``
-    a rank from outside, ``results`` once ``done``; ``stop()`` always (idempotent)."""
+    a rank from outside, ``results`` once ``done``; ``stop()`` always (idempotent).
+
+    A replica a rank of which raised an error a restart will not help
+    (:class:`~scopedmesh.errors.JobMismatchError`: it does not match the job;
+    :class:`~scopedmesh.errors.NoLiveReplicaError`: the job has nobody left to
+    admit it) is not restarted: ``final`` holds its reports, by replica."""
 
     def __init__(
         self,
@@ -91,6 +99,7 @@ class ReplicaJob:
         self.store: Any = None
         self.restarts: list[tuple[int, float]] = []  # (replica, time.time() it restarted)
         self.failures: list[str] = []  # what the ranks of a failed incarnation reported
+        self.final: dict[int, list[str]] = {}  # replica -> its reports that stopped it for good
         self.results: dict[tuple[int, int], Any] = {}
         self._procs: dict[int, list[BaseProcess]] = {}
         self._pipes: dict[tuple[int, int], Connection] = {}
@@ -135,7 +144,7 @@ class ReplicaJob:
                 self._collect(replica, coordinate)
                 if not proc.is_alive() and (replica, coordinate) not in self.results:
                     failed = True
-            if failed:
+            if failed and replica not in self.final:
                 since = self._failed_at.setdefault(replica, time.monotonic())
                 if time.monotonic() - since >= self.restart_delay:
                     del self._failed_at[replica]
@@ -187,6 +196,10 @@ class ReplicaJob:
             return
         if kind == "ok":
             self.results[(replica, coordinate)] = payload
+        elif kind == "final":
+            report = f"replica {replica} coordinate {coordinate}:\n{payload}"
+            self.final.setdefault(replica, []).append(report)
+            self.failures.append(report)
         else:
             self.failures.append(f"replica {replica} coordinate {coordinate}:\n{payload}")
 
