@@ -57,7 +57,6 @@ from scopedmesh.fault.liveness.ring import UNREACHABLE_AFTER, Ring
 from scopedmesh.fault.liveness.step import Step
 from scopedmesh.fault.protocol import verdict as rules
 from scopedmesh.fault.protocol.agreement import (
-    Keys,
     agreement,
     agreement_name,
     members_key,
@@ -328,7 +327,7 @@ class LivenessWatch:
         steps = rules.verdict(
             rank=self.rank,
             members=members,
-            keys=Keys(f"{self.prefix}/agree/{name}"),
+            keys=self.keys.agreement(name),
             attempt=attempt,
             mine=mine,
             raised=raised,
@@ -413,7 +412,7 @@ class LivenessWatch:
         with self._ledger_lock:
             self._ledger.attempts[key] = self._ledger.attempt(key) + 1
         steps = agreement(
-            Keys(f"{self.prefix}/agree/{name}"),
+            self.keys.agreement(name),
             members,
             self.rank,
             committed=committed,

@@ -13,6 +13,9 @@ interleaved with every other member's.
 KnownGone()
 >>> steps.send(frozenset())
 Append(key='a/in', value='0:alive/3,')
+
+(``Keys`` is :class:`~scopedmesh.c10d.store.AgreementKeys`, the layout of an
+agreement's keys in the store.)
 >>> steps.send(None), steps.send(1)
 (Add(key='a/appended', amount=1), Now())
 
@@ -27,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from scopedmesh.c10d.store import AgreementKeys as Keys
 
 __all__ = [
     "LOOK_AT_MOST",
@@ -126,45 +131,6 @@ class Sleep:
 
 
 Action = Append | Add | Get | CompareSet | Wake | ReadGone | KnownGone | Now | Sleep
-
-
-@dataclass(frozen=True)
-class Keys:
-    """The keys of one agreement, under ``base`` (which names its mesh's members and tag).
-
-    >>> Keys("w/agree/m2.0-1/event0").entries
-    'w/agree/m2.0-1/event0/in'
-    """
-
-    base: str
-
-    @property
-    def decision(self) -> str:
-        """The decision (``lost:3,5;committed:7``), written once."""
-        return f"{self.base}/decision"
-
-    @property
-    def entries(self) -> str:
-        """The members accounted for, ``rank:alive,`` or ``rank:lost,`` (appended)."""
-        return f"{self.base}/in"
-
-    @property
-    def appended(self) -> str:
-        """How many entries were appended (a hint: who appends adds 1 after)."""
-        return f"{self.base}/appended"
-
-    @property
-    def look(self) -> str:
-        """Who claimed the one look of a member that is not the lowest (the first claimer)."""
-        return f"{self.base}/look"
-
-    def claim(self, rank: int) -> str:
-        """How many survivors claimed a look on learning that ``rank`` is gone."""
-        return f"{self.base}/claim/{rank}"
-
-    def all(self, lost: Iterable[int] = ()) -> list[str]:
-        """Every key the agreement can write, given the ranks it ``lost`` (their claims)."""
-        return [self.decision, self.entries, self.appended, self.look, *map(self.claim, lost)]
 
 
 def agreement_name(members: Iterable[int], tag: str) -> str:
