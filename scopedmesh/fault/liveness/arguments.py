@@ -35,20 +35,20 @@ def check_interval(interval: object) -> float:
     return seconds
 
 
-def check_members(ranks: Iterable[int] | None, host: object, store: object) -> list[int]:
-    """The watch's members (sorted global ranks, this one among them), or an error naming
-    the bad argument (``host`` and ``store`` are checked here too)."""
+def check_members(
+    ranks: Iterable[int] | None, host: object, store: object, *, world: int, rank: int
+) -> list[int]:
+    """The watch's members (sorted global ranks of a WORLD of ``world``, ``rank`` among
+    them), or an error naming the bad argument (``host`` and ``store`` are checked too)."""
     if host is not None and (not isinstance(host, str) or not host):
         raise TypeError(f"host must be a non-empty str or None, got {shown(host)}")
     if store is not None and not isinstance(store, dist.Store):  # type: ignore[attr-defined]
         raise TypeError(f"store must be a torch.distributed Store or None, got {shown(store)}")
-    world = dist.get_world_size()
     members = list(range(world)) if ranks is None else sorted_ranks(ranks)
     if not members:
         raise ValueError("ranks must hold at least one rank")
     if members[-1] >= world:
         raise ValueError(f"ranks must be ranks of WORLD (0..{world - 1}), got {members[-1]}")
-    rank = dist.get_rank()
     if rank not in members:
         raise ValueError(f"this rank ({rank}) must be one of ranks {shown(members)}")
     return members
@@ -57,19 +57,26 @@ def check_members(ranks: Iterable[int] | None, host: object, store: object) -> l
 def clean_up(store: Any, keys: WatchKeys, rank: int, ranks: tuple[int, ...]) -> None:
     """The last member to close (the lost ones never will) deletes the watch's keys.
 
-    Each member appends itself to the list of those closed; once the closed
-    and the dead account for every member (a rank both, alive when declared
-    dead then closed, once), the clean-up runs. Only the keys written, each
-    once: the lists of the closed, deaths, stops, asks and tags, each agreement's keys (its tag appears once per member on
+    Each member appends itself to the list of those closed, unless the list of
+    deaths holds it (a departure, or a rank declared dead that was alive: the
+    others count it there, and an entry of its own could outlive the clean-up);
+    once the closed and the dead account for every member, the clean-up runs.
+    Nothing is written once the clean-up ran (the list of deaths is gone).
+    Requests never wait for a key. Only the keys written, each once: the lists
+    of the closed, deaths, stops, asks and tags, each agreement's keys (its tag appears once per member on
     the list: counted once; a claim per dead member), the dead members'
     addresses (the others deleted their own), every member's wake key (a
     wake-up may have re-made a closed member's) and the dead members'
     declaration counts. O(keys written), never O(members x tags).
     """
+    deaths = read(store, keys.lost)
+    if deaths is None:  # the others closed and cleaned up already
+        return
+    dead = sorted(set(parse_deaths(deaths)).intersection(ranks))
+    if rank in dead:
+        return
     store.append(keys.closed, f"{rank},")
-    closed_text, deaths = store.multi_get([keys.closed, keys.lost])
-    closed = {int(r) for r in closed_text.decode().split(",") if r}
-    dead = sorted(set(parse_deaths(deaths.decode())).intersection(ranks))
+    closed = {int(r) for r in (read(store, keys.closed) or "").split(",") if r}
     if len(closed.union(dead)) < len(ranks):  # a rank both closed and dead: once
         return
     tags = read(store, keys.tags)

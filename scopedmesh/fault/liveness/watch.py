@@ -125,7 +125,9 @@ class LivenessWatch:
         self._closed = True  # until the thread runs: close() has nothing to stop
         self._interval = check_interval(interval)
         self._timeout = check_timeout(timeout)
-        members = check_members(ranks, host, store)
+        members = check_members(
+            ranks, host, store, world=dist.get_world_size(), rank=dist.get_rank()
+        )
         self.rank = dist.get_rank()
         self.ranks: tuple[int, ...] = tuple(members)
         base: Any = store if store is not None else _c10d.default_store()
