@@ -1,27 +1,39 @@
 """Held links to an epoch's other members: a host cut off from the network is lost within
-about a second; a stopped, busy or slow process never is.
+about a second; a stopped, busy, slow or far process never is.
 
 A refused connect tells a dead process (:mod:`~scopedmesh.fault.probes`), but a
 host cut off from the network answers nothing at all: a connect to it, or a
 collective with it, just waits. So each slot holds one TCP connection (a
 **link**) to the listener of every other member of its epoch's dp group, and
 while it waits for them (a collective of the epoch's group, a heal, a
-formation) it sends one byte on each link every :data:`CHECK_EVERY` seconds.
-The byte is acknowledged by the peer's **kernel**, whether or not its process
-runs: a process that is stopped (SIGSTOP), descheduled or computing keeps its
-links alive, however long. A byte still unacknowledged :data:`UNREACHABLE_AFTER`
-seconds after it was sent (the kernel's count of unacknowledged bytes,
-``SIOCOUTQ``), or a connect unanswered that long, makes the slot **unreachable**;
-the kernel ends such a link by itself too (``TCP_USER_TIMEOUT``), but only when
-a retransmission is due, and the first one waits a whole retransmission timeout
-(with that alone, one cut in eight took 4.5 s to be seen on a loaded machine).
+formation) it checks each link every :data:`CHECK_EVERY` seconds and sends one
+byte on it. The byte is acknowledged by the peer's **kernel**, whether or not
+its process runs: a process that is stopped (SIGSTOP), descheduled or
+computing keeps its links alive, however long.
+
+The verdict is :class:`~scopedmesh.fault.protocol.link.Link`'s, from TCP's own
+acknowledgement state read at each check (:func:`tcp_acks`, Linux
+``TCP_INFO``): a link is **unreachable** when data sent on it is
+unacknowledged and no ACK at all has arrived for :data:`UNREACHABLE_AFTER`
+seconds (or its connect is unanswered that long); a byte merely in flight at
+every check (a delayed ACK plus a round trip of a few ms) is no sign. A cut is
+seen within ``UNREACHABLE_AFTER + CHECK_EVERY`` of the last ACK. The kernel
+ends such a link by itself too (``TCP_USER_TIMEOUT``, the same limit, also
+counted on acknowledgements), but only when a retransmission is due, which
+may be seconds later on a loaded machine. Where ``TCP_INFO`` cannot be read
+(not Linux), only the socket's errors decide: a cut is seen when the kernel
+gives up on the link (its ``TCP_USER_TIMEOUT`` where it has one, else its
+retransmission limit, minutes), never sooner, and a live peer is never lost.
 A link reset or closed by the peer's kernel (its process ended, or closed its
-listener) is **closed**: dead, as a refused probe. A verdict on an incarnation
-is final.
+listener) is **closed**: dead, as a refused probe. A verdict on an
+incarnation is final.
 
 Nothing is sent while no one waits: no thread, no store request, no traffic
-in a step that does not stall. A loss leaves one thread behind, which holds the
-abandoned group until gloo's timeout ends its collective.
+in a step that does not stall. A wait on the group (:class:`WatchedGroup`)
+polls its work's completion and never waits on gloo with a timeout of its own:
+a point-to-point operation whose gloo wait times out closes its pair, so a
+late peer would fail the catch-up. A loss leaves one thread behind, which
+holds the abandoned group until gloo's timeout ends its collective.
 
 >>> import errno
 >>> reason_of(errno.ETIMEDOUT), reason_of(errno.EHOSTUNREACH), reason_of(errno.ECONNRESET)
@@ -37,6 +49,7 @@ import errno
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -44,6 +57,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from scopedmesh.fault.protocol.link import (
+    ALIVE,
+    CLOSED,
+    UNREACHABLE,
+    UNREACHABLE_AFTER,
+    Acks,
+    Link,
+    reason_of,
+)
 from scopedmesh.fault.state_transfer import CollectiveFailed
 
 __all__ = [
@@ -55,37 +77,50 @@ __all__ = [
     "Slot",
     "WatchedGroup",
     "reason_of",
+    "tcp_acks",
     "unacknowledged",
 ]
 
 CHECK_EVERY = 0.05  # seconds a wait lasts before (and between) checks of the links
-UNREACHABLE_AFTER = 0.8  # seconds of unanswered data (or connect) before a host is unreachable
-CLOSED = "closed"  # the peer's kernel reset or closed the link: its process is gone
-UNREACHABLE = "unreachable"  # the peer's host answered nothing for UNREACHABLE_AFTER
 
 Slot = tuple[int, int, str]  # (replica, coordinate, incarnation token)
 
 _SIOCOUTQNSD = 0x894B  # Linux: bytes in the send queue not sent yet
-_SILENT = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+_SPIN_MAX = 0.002  # seconds: the longest sleep between two completion polls of a wait
+# Linux's struct tcp_info (include/uapi/linux/tcp.h): 8 one-byte fields (tcpi_state,
+# tcpi_ca_state, tcpi_retransmits, tcpi_probes, tcpi_backoff, tcpi_options, the window
+# scales, two flags), then u32s from byte 8: tcpi_unacked at byte 24 (the 5th u32),
+# tcpi_last_ack_recv at byte 56 (the 13th). tests/unit/test_links.py pins both.
+_TCP_INFO = struct.Struct("=8B13I")
+_UNACKED, _LAST_ACK_RECV = 8 + 4, 8 + 12  # indices in _TCP_INFO's tuple
 
 
-def reason_of(error_number: int) -> str | None:
-    """What a link's error says of its peer: :data:`UNREACHABLE` for silence (a timer
-    ran out, no route), :data:`CLOSED` for any other error, None for no error."""
-    if not error_number:
+def tcp_acks(sock: socket.socket) -> Acks | None:
+    """``sock``'s acknowledgement state from Linux's ``TCP_INFO``: segments in flight
+    (``tcpi_unacked``) and seconds since the last ACK (``tcpi_last_ack_recv``); None
+    where the system has no ``TCP_INFO`` in that layout (not Linux) or cannot say."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None or not sys.platform.startswith("linux"):
         return None
-    return UNREACHABLE if error_number in _SILENT else CLOSED
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO.size)
+    except OSError:
+        return None
+    if len(raw) < _TCP_INFO.size:
+        return None
+    fields = _TCP_INFO.unpack(raw[: _TCP_INFO.size])
+    return Acks(unacked=fields[_UNACKED], silent_for=fields[_LAST_ACK_RECV] / 1000)
 
 
 def unacknowledged(sock: socket.socket) -> int:
     """How many bytes ``sock`` sent that its peer's kernel has not acknowledged yet: the
     send queue (``SIOCOUTQ``) less what it has not sent (``SIOCOUTQNSD``: a closed
     window holds bytes back while the peer's kernel answers); 0 where the system
-    cannot tell."""
+    cannot tell. (Bytes in flight are no verdict by themselves: :func:`tcp_acks`.)"""
     try:
         import fcntl
         import termios
-    except ImportError:  # not POSIX: the kernel's TCP_USER_TIMEOUT alone, where it has one
+    except ImportError:  # not POSIX
         return 0
     queued = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on Linux
     if queued is None:
@@ -100,21 +135,19 @@ def unacknowledged(sock: socket.socket) -> int:
 
 
 @dataclass
-class _Link:
+class _Held:
     sock: socket.socket
-    since: float  # when its connect began
-    connected: bool = False
-    unacknowledged_since: float | None = None  # when the oldest byte in flight was sent
+    link: Link  # the verdict's state machine
 
 
 @dataclass
 class Links:
-    """One slot's links to other slots, by :data:`Slot`; ``clock`` and ``unacknowledged``
-    (bytes in flight on a socket) are for tests."""
+    """One slot's links to other slots, by :data:`Slot`; ``clock`` and ``acks`` (a
+    socket's acknowledgement state, :func:`tcp_acks`) are for tests."""
 
     clock: Callable[[], float] = time.monotonic
-    unacknowledged: Callable[[socket.socket], int] = unacknowledged
-    _links: dict[Slot, _Link] = field(default_factory=dict)
+    acks: Callable[[socket.socket], Acks | None] = tcp_acks
+    _links: dict[Slot, _Held] = field(default_factory=dict)
     lost: dict[Slot, str] = field(default_factory=dict)  # final verdicts: slot -> reason
 
     def retarget(self, addresses: Mapping[Slot, str | None]) -> None:
@@ -128,21 +161,22 @@ class Links:
             if address is None:
                 self.lost[slot] = CLOSED
                 continue
-            self._links[slot] = _Link(_connect(address), self.clock())
+            self._links[slot] = _Held(_connect(address), Link(self.clock()))
 
     def check(self, slot: Slot) -> str | None:
         """The verdict on ``slot`` (None: alive or not linked); sends one byte on its
         link, which its host's kernel acknowledges, whatever its process does."""
         if slot in self.lost:
             return self.lost[slot]
-        link = self._links.get(slot)
-        if link is None:
+        held = self._links.get(slot)
+        if held is None:
             return None
-        reason = _state(link, self.clock(), self.unacknowledged)
-        if reason is not None:
-            self.lost[slot] = reason
-            self._links.pop(slot).sock.close()
-        return reason
+        verdict = _check(held, self.clock(), self.acks)
+        if verdict == ALIVE:
+            return None
+        self.lost[slot] = verdict
+        self._links.pop(slot).sock.close()
+        return verdict
 
     def check_all(self) -> dict[Slot, str]:
         """Every linked slot's verdict, the lost ones only."""
@@ -154,14 +188,14 @@ class Links:
         return slot in self._links
 
     def close(self) -> None:
-        for link in self._links.values():
-            link.sock.close()
+        for held in self._links.values():
+            held.sock.close()
         self._links.clear()
 
 
 def _connect(address: str) -> socket.socket:
-    """A non-blocking connect to ``host:port`` that gives up after UNREACHABLE_AFTER of
-    unacknowledged data (Linux; elsewhere the pending connect's age decides alone)."""
+    """A non-blocking connect to ``host:port`` that the kernel ends once data stays
+    unacknowledged for UNREACHABLE_AFTER (``TCP_USER_TIMEOUT``, Linux)."""
     host, _, port = address.rpartition(":")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -174,39 +208,34 @@ def _connect(address: str) -> socket.socket:
     return sock
 
 
-def _state(link: _Link, now: float, unacknowledged: Callable[[socket.socket], int]) -> str | None:
-    """A link's verdict now (None: alive, or no answer yet for less than the limit)."""
-    sock = link.sock
-    if not link.connected:
+def _check(held: _Held, now: float, acks: Callable[[socket.socket], Acks | None]) -> str:
+    """One check of a link at ``now``: its events handed to its machine, then one byte
+    sent (the next check's evidence); the verdict."""
+    sock, link = held.sock, held.link
+    if not link.is_connected:
         _, writable, _ = select.select([], [sock], [], 0)
         if not writable:
-            return UNREACHABLE if now - link.since > UNREACHABLE_AFTER else None
+            return link.pending(now)
         error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if error:
-            return reason_of(error) if error != errno.ECONNREFUSED else CLOSED
-        link.connected = True
-    if not unacknowledged(sock):
-        link.unacknowledged_since = None
-    elif link.unacknowledged_since is None:
-        link.unacknowledged_since = now
-    elif now - link.unacknowledged_since > UNREACHABLE_AFTER:
-        return UNREACHABLE  # the peer's host acknowledged nothing for that long
+            return link.failed(error)
+        link.connected(now)
+    if link.acks(now, acks(sock)) != ALIVE:
+        return link.verdict
     try:
         if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-            return CLOSED  # the peer's kernel closed it: its process or listener is gone
+            return link.ended()  # the peer's kernel closed it: its process or listener is gone
     except BlockingIOError:
         pass
     except OSError as error:
-        return reason_of(error.errno or errno.ECONNRESET)
+        return link.failed(error.errno or errno.ECONNRESET)
     try:
         sock.send(b"\0", socket.MSG_DONTWAIT)
-        if link.unacknowledged_since is None:
-            link.unacknowledged_since = now
     except BlockingIOError:
-        pass  # a full window: the peer's kernel still answers
+        return link.verdict  # a full window: the peer's kernel still answers
     except OSError as error:
-        return reason_of(error.errno or errno.EPIPE)
-    return None
+        return link.failed(error.errno or errno.EPIPE)
+    return link.sent(now)
 
 
 class WatchedGroup:
@@ -238,7 +267,7 @@ class WatchedGroup:
                 getattr(result, "is_completed", None)
             ):
                 self._works = [w for w in self._works if not w.is_completed()] + [result]
-                return _WatchedWork(result, self)
+                return _WatchedWork(result, self, _what(name, args))
             return result
 
         return call
@@ -270,23 +299,56 @@ class WatchedGroup:
         threading.Thread(target=hold, name=name, daemon=True).start()
 
 
-class _WatchedWork:
-    """A collective's work whose wait checks the group's links while it waits."""
+def _what(name: str, args: tuple[Any, ...]) -> str:
+    """An operation of the group, for an error: ``recv from member 1``, ``allreduce``.
 
-    def __init__(self, work: Any, group: WatchedGroup) -> None:
-        self._work, self._group = work, group
+    >>> _what("recv", ([], 1, 0)), _what("send", ([], 2, 0)), _what("allreduce", ([],))
+    ('recv from member 1', 'send to member 2', 'allreduce')
+    """
+    if name in ("send", "recv") and len(args) > 1 and isinstance(args[1], int):
+        return f"{name} {'to' if name == 'send' else 'from'} member {args[1]}"
+    return name
+
+
+class _WatchedWork:
+    """An operation's work whose wait checks the group's links while it waits."""
+
+    def __init__(self, work: Any, group: WatchedGroup, what: str = "an operation") -> None:
+        self._work, self._group, self._what = work, group, what
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait until the operation completes (then its own ``wait``, which raises gloo's
+        error if it failed), checking the links every :data:`CHECK_EVERY` seconds.
+
+        It polls ``is_completed`` with short sleeps and never waits on gloo with a
+        timeout: on gloo, a point-to-point wait that times out closes the pair
+        (``Application timeout caused pair closure``), so a late peer would fail
+        it. ``timeout`` (None or 0: none, as torch's default) bounds the wait:
+        past it, :class:`~scopedmesh.fault.state_transfer.CollectiveFailed` names
+        the operation, and the group is let go of (its operation still in flight).
+        """
         work = self._work
-        while True:
-            try:
-                return bool(work.wait(timedelta(seconds=CHECK_EVERY)))
-            except Exception:
-                if work.is_completed():  # it failed (gloo's own error), not merely still waits
-                    raise
-            lost = self._group.lost()
-            if lost is not None:
-                raise CollectiveFailed(lost)
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
+        start = time.monotonic()
+        limit = None if timeout is None or timeout <= timedelta(0) else timeout.total_seconds()
+        check, pause = start + CHECK_EVERY, 0.00002
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= check:
+                lost = self._group.lost()
+                if lost is not None:
+                    raise CollectiveFailed(lost)
+                check = now + CHECK_EVERY
+            if limit is not None and now - start >= limit:
+                self._group.let_go()
+                raise CollectiveFailed(
+                    f"waited {limit:g} s for {self._what} on this epoch's dp group "
+                    f"(the peers' links are alive: a peer is late or never posted its side)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, _SPIN_MAX)
+        return bool(work.wait())
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
