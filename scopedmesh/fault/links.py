@@ -251,7 +251,7 @@ class WatchedGroup:
     def __init__(self, inner: Any, check: Callable[[], str | None]) -> None:
         self._inner: Any = inner
         self._check = check
-        self._works: list[Any] = []  # handed out and maybe still in flight
+        self._works: list[_WatchedWork] = []  # handed out and maybe still in flight
 
     def __getattr__(self, name: str) -> Any:
         inner = self.__dict__.get("_inner")
@@ -266,8 +266,9 @@ class WatchedGroup:
             if callable(getattr(result, "wait", None)) and callable(
                 getattr(result, "is_completed", None)
             ):
-                self._works = [w for w in self._works if not w.is_completed()] + [result]
-                return _WatchedWork(result, self, _what(name, args))
+                watched = _WatchedWork(result, self, name, _what(name, args))
+                self._works = [w for w in self._works if not w.is_completed()] + [watched]
+                return watched
             return result
 
         return call
@@ -291,8 +292,7 @@ class WatchedGroup:
 
         def hold() -> None:
             for work in held[1]:
-                with contextlib.suppress(Exception):
-                    work.wait()  # releases the GIL; ends at gloo's timeout at the latest
+                work.settle()  # releases the GIL; ends at gloo's timeout at the latest
             held.clear()  # the queue is empty now: the destructor does not wait
 
         name = "scopedmesh-replicas-let-go"
@@ -311,29 +311,37 @@ def _what(name: str, args: tuple[Any, ...]) -> str:
 
 
 class _WatchedWork:
-    """An operation's work whose wait checks the group's links while it waits."""
+    """An operation's work whose wait checks the group's links while it waits.
 
-    def __init__(self, work: Any, group: WatchedGroup, what: str = "an operation") -> None:
+    A collective's gloo work completes by itself: its completion is polled. A
+    point-to-point operation's (:data:`_POINT_TO_POINT`) completes only inside
+    its ``wait``, and a ``wait`` with a timeout that runs out closes gloo's pair
+    to the peer: so one helper thread waits on it without a timeout (ending at
+    gloo's own timeout at the latest) while the caller's thread checks the links.
+    """
+
+    def __init__(self, work: Any, group: WatchedGroup, name: str, what: str) -> None:
         self._work, self._group, self._what = work, group, what
+        self._point_to_point = name in _POINT_TO_POINT
+        self._waiter: _Waiter | None = None  # started by the first wait, where one is needed
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Wait until the operation completes (then its own ``wait``, which raises gloo's
-        error if it failed), checking the links every :data:`CHECK_EVERY` seconds.
+        """Wait until the operation completes (its own answer: gloo's error if it
+        failed), checking the links every :data:`CHECK_EVERY` seconds; never a gloo
+        wait with a timeout (a late peer must not close the pair).
 
-        It polls ``is_completed`` with short sleeps and never waits on gloo with a
-        timeout: on gloo, a point-to-point wait that times out closes the pair
-        (``Application timeout caused pair closure``), so a late peer would fail
-        it. ``timeout`` (None or 0: none, as torch's default) bounds the wait:
-        past it, :class:`~scopedmesh.fault.state_transfer.CollectiveFailed` names
-        the operation, and the group is let go of (its operation still in flight).
+        ``timeout`` (None or 0: none, as torch's default) bounds the wait: past it,
+        :class:`~scopedmesh.fault.state_transfer.CollectiveFailed` names the
+        operation, and the group is let go of (its operation still in flight).
         """
-        work = self._work
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
+        if self._point_to_point and self._waiter is None:
+            self._waiter = _Waiter(self._work)
         start = time.monotonic()
         limit = None if timeout is None or timeout <= timedelta(0) else timeout.total_seconds()
         check, pause = start + CHECK_EVERY, 0.00002
-        while not work.is_completed():
+        while not self._done(min(pause, max(0.0, check - time.monotonic()))):
             now = time.monotonic()
             if now >= check:
                 lost = self._group.lost()
@@ -346,12 +354,61 @@ class _WatchedWork:
                     f"waited {limit:g} s for {self._what} on this epoch's dp group "
                     f"(the peers' links are alive: a peer is late or never posted its side)"
                 )
-            time.sleep(pause)
-            pause = min(2 * pause, _SPIN_MAX)
-        return bool(work.wait())
+            pause = min(2 * pause, _SPIN_MAX) if self._waiter is None else CHECK_EVERY
+        if self._waiter is not None:
+            return self._waiter.result()
+        return bool(self._work.wait())
+
+    def _done(self, pause: float) -> bool:
+        """Whether the operation completed, after waiting up to ``pause`` for it."""
+        if self._waiter is not None:
+            return self._waiter.done.wait(pause)
+        if self._work.is_completed():
+            return True
+        time.sleep(pause)
+        return False
+
+    def settle(self) -> None:
+        """Wait until the operation ends, however it ends (gloo's timeout at the latest)."""
+        if self._waiter is not None:
+            self._waiter.done.wait()
+            return
+        with contextlib.suppress(Exception):
+            self._work.wait()
 
     def is_completed(self) -> bool:
+        """Whether the operation ended (a point-to-point one: once a wait saw it end)."""
+        if self._waiter is not None:
+            return self._waiter.done.is_set()
         return bool(self._work.is_completed())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+_POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})  # gloo: done in wait only
+
+
+class _Waiter:
+    """A helper thread in ``work.wait()`` (no timeout of its own: gloo's ends it)."""
+
+    def __init__(self, work: Any) -> None:
+        self.done = threading.Event()
+        self._outcome: list[Any] = []
+        name = "scopedmesh-links-wait"
+        threading.Thread(target=self._run, args=(work,), name=name, daemon=True).start()
+
+    def _run(self, work: Any) -> None:
+        try:
+            self._outcome.append(bool(work.wait()))
+        except BaseException as error:  # handed to the caller's thread in result()
+            self._outcome.append(error)
+        finally:
+            self.done.set()
+
+    def result(self) -> bool:
+        """The wait's answer (once ``done``), or its exception raised here."""
+        outcome = self._outcome[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return bool(outcome)

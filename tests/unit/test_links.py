@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -424,22 +425,34 @@ def test_the_cut_off_side_is_the_one_that_reaches_neither_its_peers_nor_the_stor
 
 
 class _Work:
-    """A fake operation's work: complete ``after`` seconds after it is made (never: None),
-    failing with ``error`` then. It refuses a wait with a timeout (on gloo, one that
-    runs out closes a point-to-point pair) and a wait before it completes."""
+    """A fake operation's work, as gloo's: it ends ``after`` seconds after it is made
+    (never: None), failing with ``error`` then. A collective's completes by itself; a
+    point-to-point one's only inside a wait, which blocks until it ends. Any wait with
+    a timeout is refused (on gloo, one that runs out closes the pair), and so is a
+    collective's wait before it completed (it would block the caller)."""
 
-    def __init__(self, after: float | None, error: Exception | None = None) -> None:
-        self.done_at = None if after is None else time.monotonic() + after
-        self.error, self.waits = error, 0
+    def __init__(self, after: float | None, error: Exception | None, point_to_point: bool) -> None:
+        self.ends = None if after is None else time.monotonic() + after
+        self.error, self.point_to_point, self.waits = error, point_to_point, 0
+        self.waited = threading.Event()  # a point-to-point wait returned
+        self.release = threading.Event()  # ends a point-to-point wait that never would
+
+    def _ended(self) -> bool:
+        return self.ends is not None and time.monotonic() >= self.ends
 
     def is_completed(self) -> bool:
-        return self.done_at is not None and time.monotonic() >= self.done_at
+        return self.waited.is_set() if self.point_to_point else self._ended()
 
     def wait(self, timeout: Any = None) -> bool:
         self.waits += 1
         if timeout is not None:
             raise AssertionError("a wait with a timeout: on gloo it closes the pair")
-        if not self.is_completed():
+        if self.point_to_point:
+            while not self._ended():
+                if self.release.wait(0.005):
+                    raise RuntimeError("Timed out waiting for recv")  # gloo's timeout
+            self.waited.set()
+        elif not self._ended():
             raise AssertionError("a wait before the work completed would block")
         if self.error is not None:
             raise self.error
@@ -452,11 +465,12 @@ class _Group:
         self.works: list[_Work] = []
 
     def allreduce(self, tensors: list[Any]) -> _Work:
-        self.works.append(_Work(self.after, self.error))
+        self.works.append(_Work(self.after, self.error, point_to_point=False))
         return self.works[-1]
 
     def recv(self, tensors: list[Any], peer: int, tag: int) -> _Work:
-        return self.allreduce(tensors)
+        self.works.append(_Work(self.after, self.error, point_to_point=True))
+        return self.works[-1]
 
     def size(self) -> int:
         return 3
@@ -472,36 +486,47 @@ def _counting(lost_at: int | None) -> tuple[list[int], Any]:
     return calls, check
 
 
-def test_a_wait_checks_the_links_and_fails_once_they_name_a_lost_member() -> None:
+@pytest.mark.parametrize("operation", ["allreduce", "recv"])
+def test_a_wait_checks_the_links_and_fails_once_they_name_a_lost_member(operation: str) -> None:
     calls, check = _counting(lost_at=3)
-    group = WatchedGroup(_Group(after=None), check)
+    inner = _Group(after=None)
+    group = WatchedGroup(inner, check)
     assert group.size() == 3  # anything else is the group's own
     start = time.monotonic()
+    work = group.allreduce([]) if operation == "allreduce" else group.recv([], 1, 0)
     with pytest.raises(CollectiveFailed, match="replica 2 coordinate 0 is unreachable"):
-        group.allreduce([]).wait()
+        work.wait()
     assert calls == [3] and time.monotonic() - start >= 3 * CHECK_EVERY
     with pytest.raises(CollectiveFailed, match="let go of"):
         group.allreduce([])
+    inner.works[0].release.set()
 
 
-def test_a_late_operation_is_waited_for_without_a_timeout_and_is_its_own_answer() -> None:
-    """A receive whose peer is 0.3 s late: the wait polls completion, checks the links
-    meanwhile, and only then waits on the work (no timed wait, which closes gloo's pair)."""
+@pytest.mark.parametrize("operation", ["allreduce", "recv"])
+def test_a_late_operation_is_waited_for_without_a_timeout_and_is_its_own_answer(
+    operation: str,
+) -> None:
+    """A peer 0.3 s late: the wait checks the links meanwhile and never waits on the
+    work with a timeout (which closes gloo's pair); a point-to-point operation, which
+    gloo completes only inside a wait, is waited for on a helper thread."""
     calls, check = _counting(lost_at=None)
     inner = _Group(after=0.3)
     group = WatchedGroup(inner, check)
     start = time.monotonic()
-    assert group.recv([], 1, 0).wait() is True
-    assert time.monotonic() - start >= 0.3
+    work = group.allreduce([]) if operation == "allreduce" else group.recv([], 1, 0)
+    assert work.wait() is True
+    assert time.monotonic() - start >= 0.3 and work.is_completed()
     assert calls[0] >= 2 and inner.works[0].waits == 1  # checked while late; one wait
     failing = WatchedGroup(_Group(after=0.1, error=RuntimeError("Connection closed")), check)
+    late = failing.allreduce([]) if operation == "allreduce" else failing.recv([], 1, 0)
     with pytest.raises(RuntimeError, match="Connection closed"):
-        failing.allreduce([]).wait()
+        late.wait()
 
 
 def test_a_wait_with_a_timeout_names_what_it_waited_for_and_lets_the_group_go() -> None:
     calls, check = _counting(lost_at=None)
-    group = WatchedGroup(_Group(after=None), check)
+    inner = _Group(after=None)
+    group = WatchedGroup(inner, check)
     with pytest.raises(CollectiveFailed, match=r"waited 0.2 s for recv from member 1"):
         group.recv([], 1, 0).wait(timedelta(seconds=0.2))
     assert calls[0] >= 1
@@ -509,3 +534,4 @@ def test_a_wait_with_a_timeout_names_what_it_waited_for_and_lets_the_group_go() 
         group.allreduce([])
     with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta"):
         WatchedGroup(_Group(after=0.0), check).allreduce([]).wait(5)
+    inner.works[0].release.set()  # the helper thread's wait ends (at gloo's timeout)
