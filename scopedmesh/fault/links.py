@@ -251,7 +251,9 @@ class WatchedGroup:
     def __init__(self, inner: Any, check: Callable[[], str | None]) -> None:
         self._inner: Any = inner
         self._check = check
-        self._works: list[_WatchedWork] = []  # handed out and maybe still in flight
+        # Handed out and maybe still in flight; they hold no reference to this group (a
+        # dropped group must go at once: its peers' operations fail when it does).
+        self._works: list[_Operation] = []
 
     def __getattr__(self, name: str) -> Any:
         inner = self.__dict__.get("_inner")
@@ -266,9 +268,9 @@ class WatchedGroup:
             if callable(getattr(result, "wait", None)) and callable(
                 getattr(result, "is_completed", None)
             ):
-                watched = _WatchedWork(result, self, name, _what(name, args))
-                self._works = [w for w in self._works if not w.is_completed()] + [watched]
-                return watched
+                operation = _Operation(result, name in _POINT_TO_POINT)
+                self._works = [w for w in self._works if not w.is_completed()] + [operation]
+                return _WatchedWork(operation, self, _what(name, args))
             return result
 
         return call
@@ -311,19 +313,10 @@ def _what(name: str, args: tuple[Any, ...]) -> str:
 
 
 class _WatchedWork:
-    """An operation's work whose wait checks the group's links while it waits.
+    """An operation's work whose wait checks the group's links while it waits."""
 
-    A collective's gloo work completes by itself: its completion is polled. A
-    point-to-point operation's (:data:`_POINT_TO_POINT`) completes only inside
-    its ``wait``, and a ``wait`` with a timeout that runs out closes gloo's pair
-    to the peer: so one helper thread waits on it without a timeout (ending at
-    gloo's own timeout at the latest) while the caller's thread checks the links.
-    """
-
-    def __init__(self, work: Any, group: WatchedGroup, name: str, what: str) -> None:
-        self._work, self._group, self._what = work, group, what
-        self._point_to_point = name in _POINT_TO_POINT
-        self._waiter: _Waiter | None = None  # started by the first wait, where one is needed
+    def __init__(self, operation: _Operation, group: WatchedGroup, what: str) -> None:
+        self._operation, self._group, self._what = operation, group, what
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait until the operation completes (its own answer: gloo's error if it
@@ -336,12 +329,12 @@ class _WatchedWork:
         """
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
-        if self._point_to_point and self._waiter is None:
-            self._waiter = _Waiter(self._work)
+        operation = self._operation
+        operation.start()
         start = time.monotonic()
         limit = None if timeout is None or timeout <= timedelta(0) else timeout.total_seconds()
         check, pause = start + CHECK_EVERY, 0.00002
-        while not self._done(min(pause, max(0.0, check - time.monotonic()))):
+        while not operation.done(min(pause, max(0.0, check - time.monotonic()))):
             now = time.monotonic()
             if now >= check:
                 lost = self._group.lost()
@@ -354,61 +347,78 @@ class _WatchedWork:
                     f"waited {limit:g} s for {self._what} on this epoch's dp group "
                     f"(the peers' links are alive: a peer is late or never posted its side)"
                 )
-            pause = min(2 * pause, _SPIN_MAX) if self._waiter is None else CHECK_EVERY
-        if self._waiter is not None:
-            return self._waiter.result()
-        return bool(self._work.wait())
-
-    def _done(self, pause: float) -> bool:
-        """Whether the operation completed, after waiting up to ``pause`` for it."""
-        if self._waiter is not None:
-            return self._waiter.done.wait(pause)
-        if self._work.is_completed():
-            return True
-        time.sleep(pause)
-        return False
-
-    def settle(self) -> None:
-        """Wait until the operation ends, however it ends (gloo's timeout at the latest)."""
-        if self._waiter is not None:
-            self._waiter.done.wait()
-            return
-        with contextlib.suppress(Exception):
-            self._work.wait()
+            pause = min(2 * pause, _SPIN_MAX)
+        return operation.result()
 
     def is_completed(self) -> bool:
         """Whether the operation ended (a point-to-point one: once a wait saw it end)."""
-        if self._waiter is not None:
-            return self._waiter.done.is_set()
-        return bool(self._work.is_completed())
+        return self._operation.is_completed()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
+        return getattr(self._operation.work, name)
 
 
 _POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})  # gloo: done in wait only
 
 
-class _Waiter:
-    """A helper thread in ``work.wait()`` (no timeout of its own: gloo's ends it)."""
+class _Operation:
+    """One operation's work, and how to see it end without a timed wait.
 
-    def __init__(self, work: Any) -> None:
-        self.done = threading.Event()
-        self._outcome: list[Any] = []
-        name = "scopedmesh-links-wait"
-        threading.Thread(target=self._run, args=(work,), name=name, daemon=True).start()
+    A collective's gloo work completes by itself: its completion is polled. A
+    point-to-point operation's completes only inside its ``wait``, and a
+    ``wait`` with a timeout that runs out closes gloo's pair to the peer: so
+    once waited for, a helper thread waits on it without a timeout of its own
+    (gloo's ends it) while the caller's thread checks the links.
+    """
 
-    def _run(self, work: Any) -> None:
+    def __init__(self, work: Any, point_to_point: bool) -> None:
+        self.work, self._point_to_point = work, point_to_point
+        self._ended: threading.Event | None = None  # set by the helper thread, once started
+        self._outcome: list[Any] = []  # the helper's answer: True/False or its exception
+
+    def start(self) -> None:
+        """Start the helper thread, where one is needed and none runs yet."""
+        if self._point_to_point and self._ended is None:
+            self._ended = threading.Event()
+            name = "scopedmesh-links-wait"
+            threading.Thread(target=self._wait, name=name, daemon=True).start()
+
+    def _wait(self) -> None:
+        assert self._ended is not None  # started by start()
         try:
-            self._outcome.append(bool(work.wait()))
-        except BaseException as error:  # handed to the caller's thread in result()
+            self._outcome.append(bool(self.work.wait()))
+        except BaseException as error:  # handed to the caller's thread by result()
             self._outcome.append(error)
         finally:
-            self.done.set()
+            self._ended.set()
+
+    def done(self, pause: float) -> bool:
+        """Whether the operation completed, after waiting up to ``pause`` for it."""
+        if self._ended is not None:
+            return self._ended.wait(pause)
+        if self.work.is_completed():
+            return True
+        time.sleep(pause)
+        return False
 
     def result(self) -> bool:
-        """The wait's answer (once ``done``), or its exception raised here."""
+        """The operation's answer once it completed, or its error raised here."""
+        if self._ended is None:
+            return bool(self.work.wait())
         outcome = self._outcome[0]
         if isinstance(outcome, BaseException):
             raise outcome
         return bool(outcome)
+
+    def is_completed(self) -> bool:
+        if self._ended is not None:
+            return self._ended.is_set()
+        return bool(self.work.is_completed())
+
+    def settle(self) -> None:
+        """Wait until the operation ends, however it ends (gloo's timeout at the latest)."""
+        if self._ended is not None:
+            self._ended.wait()
+            return
+        with contextlib.suppress(Exception):
+            self.work.wait()

@@ -16,6 +16,7 @@ namespaces are in ``tests/hosts`` (the ``hosts`` lane), among them a path with a
 from __future__ import annotations
 
 import errno
+import gc
 import random
 import signal
 import socket
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -535,3 +537,26 @@ def test_a_wait_with_a_timeout_names_what_it_waited_for_and_lets_the_group_go() 
     with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta"):
         WatchedGroup(_Group(after=0.0), check).allreduce([]).wait(5)
     inner.works[0].release.set()  # the helper thread's wait ends (at gloo's timeout)
+
+
+def test_a_dropped_group_goes_at_once_its_works_hold_no_reference_to_it() -> None:
+    """A member that drops its group (a step cut short) closes its connections at once,
+    and its peers' operations fail: nothing it handed out may keep it in a cycle that
+    only the garbage collector would break."""
+    _, check = _counting(lost_at=None)
+    inner = _Group(after=0.0)
+    gone = weakref.ref(inner)
+    group = WatchedGroup(inner, check)
+    del inner
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        assert group.allreduce([]).wait() is True
+        pending = group.allreduce([])  # handed out: it keeps the group, as a torch work does
+        del group
+        assert gone() is not None
+        del pending
+        assert gone() is None
+    finally:
+        if collecting:
+            gc.enable()

@@ -191,9 +191,8 @@ class Link:
         if acks.unacked == 0:
             self._in_flight_since = None
             return self._verdict
-        since = now if self._in_flight_since is None else self._in_flight_since
-        if self._in_flight_since is None:
+        if self._in_flight_since is None:  # data this machine was not told was sent
             self._in_flight_since = now
-        if min(acks.silent_for, now - since) > self._limit:
+        if min(acks.silent_for, now - self._in_flight_since) > self._limit:
             self._verdict = UNREACHABLE
         return self._verdict
