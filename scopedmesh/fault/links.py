@@ -30,10 +30,12 @@ incarnation is final.
 
 Nothing is sent while no one waits: no thread, no store request, no traffic
 in a step that does not stall. A wait on the group (:class:`WatchedGroup`)
-polls its work's completion and never waits on gloo with a timeout of its own:
-a point-to-point operation whose gloo wait times out closes its pair, so a
-late peer would fail the catch-up. A loss leaves one thread behind, which
-holds the abandoned group until gloo's timeout ends its collective.
+never waits on gloo with a timeout of its own: a point-to-point operation
+whose gloo wait times out is ended and its pair closed, so a late peer would
+fail the catch-up. A collective's work wakes the wait through its future; a
+point-to-point one's, which gloo completes only inside ``wait``, through one
+helper thread that waits on it. A loss leaves such threads behind, and one
+that holds the abandoned group, until gloo's timeout ends their operations.
 
 >>> import errno
 >>> reason_of(errno.ETIMEDOUT), reason_of(errno.EHOSTUNREACH), reason_of(errno.ECONNRESET)
@@ -86,7 +88,6 @@ CHECK_EVERY = 0.05  # seconds a wait lasts before (and between) checks of the li
 Slot = tuple[int, int, str]  # (replica, coordinate, incarnation token)
 
 _SIOCOUTQNSD = 0x894B  # Linux: bytes in the send queue not sent yet
-_SPIN_MAX = 0.002  # seconds: the longest sleep between two completion polls of a wait
 # Linux's struct tcp_info (include/uapi/linux/tcp.h): 8 one-byte fields (tcpi_state,
 # tcpi_ca_state, tcpi_retransmits, tcpi_probes, tcpi_backoff, tcpi_options, the window
 # scales, two flags), then u32s from byte 8: tcpi_unacked at byte 24 (the 5th u32),
@@ -268,7 +269,7 @@ class WatchedGroup:
             if callable(getattr(result, "wait", None)) and callable(
                 getattr(result, "is_completed", None)
             ):
-                operation = _Operation(result, name in _POINT_TO_POINT)
+                operation = _Operation(result)
                 self._works = [w for w in self._works if not w.is_completed()] + [operation]
                 return _WatchedWork(operation, self, _what(name, args))
             return result
@@ -330,25 +331,19 @@ class _WatchedWork:
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
         operation = self._operation
-        operation.start()
         start = time.monotonic()
         limit = None if timeout is None or timeout <= timedelta(0) else timeout.total_seconds()
-        check, pause = start + CHECK_EVERY, 0.00002
-        while not operation.done(min(pause, max(0.0, check - time.monotonic()))):
-            now = time.monotonic()
-            if now >= check:
-                lost = self._group.lost()
-                if lost is not None:
-                    raise CollectiveFailed(lost)
-                check = now + CHECK_EVERY
-            if limit is not None and now - start >= limit:
+        while not operation.ended(CHECK_EVERY if limit is None else min(CHECK_EVERY, limit)):
+            lost = self._group.lost()
+            if lost is not None:
+                raise CollectiveFailed(lost)
+            if limit is not None and time.monotonic() - start >= limit:
                 self._group.let_go()
                 raise CollectiveFailed(
                     f"waited {limit:g} s for {self._what} on this epoch's dp group "
                     f"(the peers' links are alive: a peer is late or never posted its side)"
                 )
-            pause = min(2 * pause, _SPIN_MAX)
-        return operation.result()
+        return operation.answer()
 
     def is_completed(self) -> bool:
         """Whether the operation ended (a point-to-point one: once a wait saw it end)."""
@@ -358,61 +353,59 @@ class _WatchedWork:
         return getattr(self._operation.work, name)
 
 
-_POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})  # gloo: done in wait only
-
-
 class _Operation:
-    """One operation's work, and how to see it end without a timed wait.
+    """One operation's work, and how to learn that it ended without a timed wait.
 
-    A collective's gloo work completes by itself: its completion is polled. A
-    point-to-point operation's completes only inside its ``wait``, and a
-    ``wait`` with a timeout that runs out closes gloo's pair to the peer: so
-    once waited for, a helper thread waits on it without a timeout of its own
-    (gloo's ends it) while the caller's thread checks the links.
+    A collective's gloo work has a future: its callback wakes the waiter. A
+    point-to-point operation's has none and completes only inside its ``wait``
+    (a second ``wait`` waits for another message), and a ``wait`` with a timeout
+    that runs out closes gloo's pair to the peer: so once waited for, a helper
+    thread waits on it once, without a timeout of its own (gloo's ends it), and
+    keeps its answer, while the caller's thread checks the links.
     """
 
-    def __init__(self, work: Any, point_to_point: bool) -> None:
-        self.work, self._point_to_point = work, point_to_point
-        self._ended: threading.Event | None = None  # set by the helper thread, once started
-        self._outcome: list[Any] = []  # the helper's answer: True/False or its exception
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self._ended: threading.Event | None = None  # set once it ended, after the first wait
+        self._answer: list[Any] = []  # the helper thread's: True/False, or the error raised
 
-    def start(self) -> None:
-        """Start the helper thread, where one is needed and none runs yet."""
-        if self._point_to_point and self._ended is None:
-            self._ended = threading.Event()
-            name = "scopedmesh-links-wait"
-            threading.Thread(target=self._wait, name=name, daemon=True).start()
+    def ended(self, seconds: float) -> bool:
+        """Whether the operation ended, waiting up to ``seconds`` for it (woken at once)."""
+        ended = self._ended
+        if ended is None:
+            if self.work.is_completed():
+                return True
+            ended = self._ended = threading.Event()
+            future = _future_of(self.work)
+            if future is not None:
+                future.add_done_callback(lambda _: ended.set())
+            else:
+                name = "scopedmesh-links-wait"
+                threading.Thread(target=self._wait, name=name, daemon=True).start()
+        return ended.wait(seconds)
 
     def _wait(self) -> None:
-        assert self._ended is not None  # started by start()
+        """The helper thread: one wait on the work (gloo's timeout ends it at the latest)."""
         try:
-            self._outcome.append(bool(self.work.wait()))
-        except BaseException as error:  # handed to the caller's thread by result()
-            self._outcome.append(error)
+            self._answer.append(bool(self.work.wait()))
+        except Exception as error:  # raised again on the caller's thread by answer()
+            self._answer.append(error)
         finally:
+            assert self._ended is not None  # set before the thread started
             self._ended.set()
 
-    def done(self, pause: float) -> bool:
-        """Whether the operation completed, after waiting up to ``pause`` for it."""
-        if self._ended is not None:
-            return self._ended.wait(pause)
-        if self.work.is_completed():
-            return True
-        time.sleep(pause)
-        return False
-
-    def result(self) -> bool:
-        """The operation's answer once it completed, or its error raised here."""
-        if self._ended is None:
-            return bool(self.work.wait())
-        outcome = self._outcome[0]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return bool(outcome)
+    def answer(self) -> bool:
+        """The ended operation's answer, or its error raised here."""
+        if not self._answer:
+            return bool(self.work.wait())  # completed: returns (or raises) at once
+        answer = self._answer[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return bool(answer)
 
     def is_completed(self) -> bool:
-        if self._ended is not None:
-            return self._ended.is_set()
+        if self._ended is not None and self._ended.is_set():
+            return True
         return bool(self.work.is_completed())
 
     def settle(self) -> None:
@@ -422,3 +415,14 @@ class _Operation:
             return
         with contextlib.suppress(Exception):
             self.work.wait()
+
+
+def _future_of(work: Any) -> Any:
+    """``work``'s future, or None where it has none (gloo's point-to-point works)."""
+    get_future = getattr(work, "get_future", None)
+    if get_future is None:
+        return None
+    try:
+        return get_future()
+    except RuntimeError:  # this work type implements no future
+        return None

@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -428,16 +429,20 @@ def test_the_cut_off_side_is_the_one_that_reaches_neither_its_peers_nor_the_stor
 
 class _Work:
     """A fake operation's work, as gloo's: it ends ``after`` seconds after it is made
-    (never: None), failing with ``error`` then. A collective's completes by itself; a
-    point-to-point one's only inside a wait, which blocks until it ends. Any wait with
-    a timeout is refused (on gloo, one that runs out closes the pair), and so is a
-    collective's wait before it completed (it would block the caller)."""
+    (never: None), failing with ``error`` then. A collective's completes by itself and
+    has a future; a point-to-point one's has none and completes only inside a wait,
+    which blocks until it ends, and a second wait waits for another message. Any wait
+    with a timeout is refused (on gloo, one that runs out closes the pair), and so is
+    a collective's wait before it completed (it would block the caller)."""
 
     def __init__(self, after: float | None, error: Exception | None, point_to_point: bool) -> None:
         self.ends = None if after is None else time.monotonic() + after
         self.error, self.point_to_point, self.waits = error, point_to_point, 0
         self.waited = threading.Event()  # a point-to-point wait returned
         self.release = threading.Event()  # ends a point-to-point wait that never would
+        self.future: torch.futures.Future[None] = torch.futures.Future()
+        if after is not None and not point_to_point:
+            threading.Timer(after, self.future.set_result, (None,)).start()
 
     def _ended(self) -> bool:
         return self.ends is not None and time.monotonic() >= self.ends
@@ -445,11 +450,18 @@ class _Work:
     def is_completed(self) -> bool:
         return self.waited.is_set() if self.point_to_point else self._ended()
 
+    def get_future(self) -> torch.futures.Future[None]:
+        if self.point_to_point:
+            raise RuntimeError("Work::getFuture not implemented")
+        return self.future
+
     def wait(self, timeout: Any = None) -> bool:
         self.waits += 1
         if timeout is not None:
             raise AssertionError("a wait with a timeout: on gloo it closes the pair")
         if self.point_to_point:
+            if self.waited.is_set():
+                raise AssertionError("a second wait waits for another message (gloo's timeout)")
             while not self._ended():
                 if self.release.wait(0.005):
                     raise RuntimeError("Timed out waiting for recv")  # gloo's timeout
@@ -519,6 +531,7 @@ def test_a_late_operation_is_waited_for_without_a_timeout_and_is_its_own_answer(
     assert work.wait() is True
     assert time.monotonic() - start >= 0.3 and work.is_completed()
     assert calls[0] >= 2 and inner.works[0].waits == 1  # checked while late; one wait
+    assert work.wait() is True and inner.works[0].waits == (1 if operation == "recv" else 2)
     failing = WatchedGroup(_Group(after=0.1, error=RuntimeError("Connection closed")), check)
     late = failing.allreduce([]) if operation == "allreduce" else failing.recv([], 1, 0)
     with pytest.raises(RuntimeError, match="Connection closed"):
