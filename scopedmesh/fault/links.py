@@ -46,6 +46,7 @@ True
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import select
@@ -255,6 +256,7 @@ class WatchedGroup:
         # Handed out and maybe still in flight; they hold no reference to this group (a
         # dropped group must go at once: its peers' operations fail when it does).
         self._works: list[_Operation] = []
+        self._waiter = _Waiter()  # waits on its point-to-point operations as they are posted
 
     def __getattr__(self, name: str) -> Any:
         inner = self.__dict__.get("_inner")
@@ -269,7 +271,7 @@ class WatchedGroup:
             if callable(getattr(result, "wait", None)) and callable(
                 getattr(result, "is_completed", None)
             ):
-                operation = _Operation(result)
+                operation = _Operation(result, self._waiter, name in _POINT_TO_POINT)
                 self._works = [w for w in self._works if not w.is_completed()] + [operation]
                 return _WatchedWork(operation, self, _what(name, args))
             return result
@@ -334,6 +336,7 @@ class _WatchedWork:
         start = time.monotonic()
         limit = None if timeout is None or timeout <= timedelta(0) else timeout.total_seconds()
         while not operation.ended(CHECK_EVERY if limit is None else min(CHECK_EVERY, limit)):
+            operation.hurry()  # still queued behind another: a thread of its own
             lost = self._group.lost()
             if lost is not None:
                 raise CollectiveFailed(lost)
@@ -354,67 +357,106 @@ class _WatchedWork:
 
 
 class _Operation:
-    """One operation's work, and how to learn that it ended without a timed wait.
+    """One operation's work, and an event set once it ended, without a timed wait.
 
-    A collective's gloo work has a future: its callback wakes the waiter. A
+    A collective's gloo work has a future, whose callback sets the event. A
     point-to-point operation's has none and completes only inside its ``wait``
-    (a second ``wait`` waits for another message), and a ``wait`` with a timeout
-    that runs out closes gloo's pair to the peer: so once waited for, a helper
-    thread waits on it once, without a timeout of its own (gloo's ends it), and
-    keeps its answer, while the caller's thread checks the links.
+    (a second ``wait`` waits for another message), and a ``wait`` with a
+    timeout that runs out closes gloo's pair to the peer: so the group's
+    :class:`_Waiter` waits on it, once and without a timeout of its own (gloo's
+    ends it), from the moment it is posted, and keeps its answer.
     """
 
-    def __init__(self, work: Any) -> None:
-        self.work = work
-        self._ended: threading.Event | None = None  # set once it ended, after the first wait
-        self._answer: list[Any] = []  # the helper thread's: True/False, or the error raised
+    def __init__(self, work: Any, waiter: _Waiter, point_to_point: bool) -> None:
+        self.work, self._waiter = work, waiter
+        self._ended = threading.Event()
+        self._answer: list[Any] = []  # a helper thread's: True/False, or the error raised
+        future = None if point_to_point else _future_of(work)
+        if future is not None:
+            ended = self._ended  # the callback holds the event alone: no cycle through it
+            future.add_done_callback(lambda _: ended.set())
+        else:
+            waiter.post(self)
 
     def ended(self, seconds: float) -> bool:
         """Whether the operation ended, waiting up to ``seconds`` for it (woken at once)."""
-        ended = self._ended
-        if ended is None:
-            if self.work.is_completed():
-                return True
-            ended = self._ended = threading.Event()
-            future = _future_of(self.work)
-            if future is not None:
-                future.add_done_callback(lambda _: ended.set())
-            else:
-                name = "scopedmesh-links-wait"
-                threading.Thread(target=self._wait, name=name, daemon=True).start()
-        return ended.wait(seconds)
+        return self._ended.wait(seconds)
 
-    def _wait(self) -> None:
-        """The helper thread: one wait on the work (gloo's timeout ends it at the latest)."""
+    def hurry(self) -> None:
+        """Wait on this operation on a thread of its own if the group's waiter has not
+        begun to (it waits in posting order, and an earlier operation may wait on one
+        this caller has yet to make possible)."""
+        if self._waiter.claim(self):
+            _start(self.wait_once)
+
+    def wait_once(self) -> None:
+        """A helper thread's one wait on the work (gloo's timeout ends it at the latest)."""
         try:
             self._answer.append(bool(self.work.wait()))
         except Exception as error:  # raised again on the caller's thread by answer()
             self._answer.append(error)
         finally:
-            assert self._ended is not None  # set before the thread started
             self._ended.set()
 
     def answer(self) -> bool:
         """The ended operation's answer, or its error raised here."""
         if not self._answer:
-            return bool(self.work.wait())  # completed: returns (or raises) at once
+            return bool(self.work.wait())  # a collective that completed: at once
         answer = self._answer[0]
         if isinstance(answer, Exception):
             raise answer
         return bool(answer)
 
     def is_completed(self) -> bool:
-        if self._ended is not None and self._ended.is_set():
-            return True
-        return bool(self.work.is_completed())
+        return self._ended.is_set() or bool(self.work.is_completed())
 
     def settle(self) -> None:
         """Wait until the operation ends, however it ends (gloo's timeout at the latest)."""
-        if self._ended is not None:
-            self._ended.wait()
-            return
-        with contextlib.suppress(Exception):
-            self.work.wait()
+        self._ended.wait()
+
+
+class _Waiter:
+    """A group's helper thread, while it has point-to-point operations in flight: it
+    waits on each, in the order they were posted, from the moment they are posted
+    (a catch-up's many sends and receives end back to back; each caller's wait
+    finds its own ended), and ends when none is left."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Operation] = collections.deque()
+        self._running = False
+
+    def post(self, operation: _Operation) -> None:
+        with self._lock:
+            self._queue.append(operation)
+            if self._running:
+                return
+            self._running = True
+        _start(self._run)
+
+    def claim(self, operation: _Operation) -> bool:
+        """Take ``operation`` off the queue if this thread has not begun to wait on it."""
+        with self._lock:
+            if operation not in self._queue:
+                return False
+            self._queue.remove(operation)
+            return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                operation = self._queue.popleft()
+            operation.wait_once()
+
+
+_POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})  # gloo: no future
+
+
+def _start(target: Callable[[], None]) -> None:
+    threading.Thread(target=target, name="scopedmesh-links-wait", daemon=True).start()
 
 
 def _future_of(work: Any) -> Any:

@@ -573,3 +573,23 @@ def test_a_dropped_group_goes_at_once_its_works_hold_no_reference_to_it() -> Non
     finally:
         if collecting:
             gc.enable()
+
+
+def test_point_to_point_operations_are_waited_for_as_posted_and_none_waits_behind_another() -> None:
+    """The group's waiter waits on each receive from the moment it is posted, in order;
+    a caller that waits on a later one first (the earlier one's peer has yet to send)
+    gets it after at most one check interval, on a thread of its own."""
+    _, check = _counting(lost_at=None)
+    inner = _Group(after=None)
+    group = WatchedGroup(inner, check)
+    first = group.recv([], 1, 0)  # never ends until released: the waiter waits on it
+    inner.after = 0.05
+    second = group.recv([], 2, 0)
+    start = time.monotonic()
+    assert second.wait() is True
+    assert time.monotonic() - start < 10 * CHECK_EVERY  # not behind the first
+    assert not first.is_completed()
+    inner.works[0].release.set()  # gloo's timeout, say: the first fails, as itself
+    with pytest.raises(RuntimeError, match="Timed out waiting for recv"):
+        first.wait()
+    assert [w.waits for w in inner.works] == [1, 1]  # one gloo wait each, never timed
