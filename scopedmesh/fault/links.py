@@ -33,9 +33,10 @@ in a step that does not stall. A wait on the group (:class:`WatchedGroup`)
 never waits on gloo with a timeout of its own: a point-to-point operation
 whose gloo wait times out is ended and its pair closed, so a late peer would
 fail the catch-up. A collective's work wakes the wait through its future; a
-point-to-point one's, which gloo completes only inside ``wait``, through one
-helper thread that waits on it. A loss leaves such threads behind, and one
-that holds the abandoned group, until gloo's timeout ends their operations.
+point-to-point one's, which gloo completes only inside ``wait``, through the
+group's helper thread, which waits on each from the moment it is posted (and
+ends when none is left). A loss leaves that thread behind, and one that holds
+the abandoned group, until gloo's timeout ends their operations.
 
 >>> import errno
 >>> reason_of(errno.ETIMEDOUT), reason_of(errno.EHOSTUNREACH), reason_of(errno.ECONNRESET)
