@@ -314,7 +314,7 @@ def test_a_peer_that_acknowledges_every_byte_is_never_unreachable(
     assert not lost, f"a peer that acknowledges every byte was declared {lost[0]}"
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(paths, waits, st.floats(0.0, 1.0), st.floats(0.005, 0.1))
 def test_a_cut_is_unreachable_within_a_second_and_a_half(
     path: Path, schedule: list[tuple[float, int, float]], offset: float, every: float
