@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, TypeAlias
 
@@ -73,6 +74,8 @@ class MeshLayout:
         if ranks is None:
             count, offset, step = None, 0, 1
         elif isinstance(ranks, range):
+            if ranks.stop - ranks.start > sys.maxsize * abs(ranks.step):  # len() refuses it
+                raise ValueError(f"ranks must hold at most {sys.maxsize} ranks, got {shown(ranks)}")
             count, offset, step = len(ranks), ranks.start, ranks.step
             if count and min(ranks[0], ranks[-1]) < 0:
                 raise ValueError(f"ranks must be non-negative, got {shown(ranks)}")
@@ -86,6 +89,8 @@ class MeshLayout:
             if table == tuple(range(len(table))):
                 table = None
         dims = infer_shape(shape, count)
+        if math.prod(dims) > sys.maxsize:  # a range of them has no len()
+            raise ValueError(f"shape {shown(dims)} holds more than {sys.maxsize} ranks")
         if count is not None and math.prod(dims) != count:
             raise ValueError(f"shape {dims} holds {math.prod(dims)} ranks but ranks has {count}")
         self._init(dims, self._check_names(names, len(dims)), c_strides(dims, step), offset, table)

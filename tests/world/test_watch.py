@@ -465,7 +465,7 @@ def test_close_after_an_error_never_hides_it(one_rank: Any) -> None:
         with pytest.raises(ValueError, match="the original error"):
             with LivenessWatch(interval=0.01, timeout=timedelta(seconds=5)) as watch:
                 store = watch._store
-                failing = _workers_watch.FailingStore(store, "multi_get", 10**9)
+                failing = _workers_watch.FailingStore(store, "compare_set", 10**9)
                 failing.armed = True
                 watch._store = failing
                 raise ValueError("the original error")
