@@ -38,7 +38,7 @@ class Protocol(RuleBasedStateMachine):
         """One request of one runnable thread (the clock moves when none can run)."""
         self.sim.run(choice, cut_late)
 
-    @rule(choice=st.integers(0, 15), times=st.integers(1, 8), cut_late=st.booleans())
+    @rule(choice=st.integers(0, 15), times=st.integers(1, 12), cut_late=st.booleans())
     def act_several(self, choice: int, times: int, cut_late: bool) -> None:
         for _ in range(times):
             self.sim.run(choice, cut_late)
@@ -92,7 +92,7 @@ class Protocol(RuleBasedStateMachine):
         assert not stuck and not sim.problems, [*sim.problems, *stuck]
 
 
-Protocol.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
+Protocol.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
 TestProtocol = Protocol.TestCase
 
 
