@@ -353,9 +353,7 @@ class Simulation:
             if verdict.agreed:
                 survivors = tuple(r for r in view.members if r not in verdict.lost)
                 new_key = agreeing.members_key(survivors)
-                with m.lock:
-                    m.ledger.moved(key, new_key)
-                    m.members[new_key] = list(survivors)
+                with m.lock:  # the ledger moved at Agreed (the library's StepDriver)
                     since = (new_key, m.ledger.attempt(new_key))
                 self._leave_view(m)  # the old mesh is closed: its sockets too
                 m.view = View(view.name, survivors, view.generation + 1, since)
@@ -437,6 +435,8 @@ class Simulation:
                 found.append((m, "main"))
             if m.state == "running" and (m.store_work or m.news or m.answers or m.declares):
                 found.append((m, "store"))
+            elif m.store_work is not None:  # a closing watch joins its store thread: it
+                found.append((m, "store"))  # finishes what it was doing, then stops
         return found
 
     def _ready(self, m: Member, request: Any) -> bool:
@@ -565,6 +565,7 @@ class Simulation:
             list(m.view.members),
             vote=lambda flag: None,
             note=lambda: None,
+            stepped=m.members,
         )
         return Driver(self.store, m.record, step).do(request)
 

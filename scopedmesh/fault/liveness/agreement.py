@@ -95,7 +95,8 @@ class StepDriver:
     """Carries out a step verdict's own requests (:mod:`~scopedmesh.fault.protocol.verdict`)
     for the members ``key`` on ``mesh``: its abort, the watch's lists of stops and asks,
     its :class:`~scopedmesh.fault.protocol.verdict.Ledger` (under ``lock``); ``vote``
-    takes part in the step's vote, ``note`` notes the agreement's name for the clean-up."""
+    takes part in the step's vote, ``note`` notes the agreement's name for the clean-up,
+    ``stepped`` maps each set of members this rank steps on to its ranks."""
 
     def __init__(
         self,
@@ -108,10 +109,11 @@ class StepDriver:
         *,
         vote: Callable[[int], int | None],
         note: Callable[[], None],
+        stepped: dict[str, list[int]],
     ) -> None:
         self.store, self.record, self.ledger, self.lock = store, record, ledger, lock
         self.mesh, self.members, self.key = mesh, members, members_key(members)
-        self.vote, self.note = vote, note
+        self.vote, self.note, self.stepped = vote, note, stepped
 
     def __call__(self, request: Any) -> Any:
         store, record, ledger, key = self.store, self.record, self.ledger, self.key
@@ -130,6 +132,8 @@ class StepDriver:
             return self.vote(request.flag)
         if isinstance(request, rules.Ask):
             self.note()
+            with self.lock:  # past its vote: its own agreement answers for it
+                ledger.answered.add((key, request.attempt))
             if request.doubt:
                 record.ask(store, key, request.attempt, self.members)
             return None
@@ -147,7 +151,12 @@ class StepDriver:
             if isinstance(request, rules.RaisedAgain):
                 return ledger.raised_again(key, request.attempt)
             if isinstance(request, rules.Agreed):
-                return ledger.agreed(key, request.highest)
+                ledger.agreed(key, request.highest)
+                if self.record.rank in request.survivors:  # its next mesh's members
+                    moved = members_key(request.survivors)
+                    self.stepped[moved] = list(request.survivors)
+                    ledger.moved(key, moved)
+                return None
         raise TypeError(f"no one carries out {request!r}")
 
 
@@ -170,7 +179,7 @@ def ledger_requests(
                 request.start, request.chain, request.count
             )
         if isinstance(request, rules.Fence):
-            if fenced:
+            if fenced:  # None: answered already
                 on_fence(request.chain)
             return fenced
         raise TypeError(f"no one carries out {request!r}")

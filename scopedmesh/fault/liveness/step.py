@@ -82,8 +82,6 @@ class StepWatch(Protocol):
         vote: Callable[[int], int | None],
     ) -> Verdict: ...
 
-    def _moved(self, old: ProcessGroupMesh, new: ProcessGroupMesh) -> None: ...
-
 
 class Step:
     """One step on a guarded mesh and its verdict; made by ``LivenessWatch.step``.
@@ -135,7 +133,6 @@ class Step:
         if verdict.error is not None:  # the job fails: a peer left it after an exception
             raise StepError(f"rank {watch.rank}'s step failed: {verdict.error}") from exc
         self.mesh = watch.guard(reform(mesh, self.lost, self._axis))
-        watch._moved(mesh, self.mesh)
         self.healed = True
         if verdict.raise_own:
             return False  # this rank's own error: raised here, once every member knows

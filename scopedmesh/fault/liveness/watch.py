@@ -325,6 +325,7 @@ class LivenessWatch:
             members,
             vote=vote,
             note=lambda: self._note_agreement(name),
+            stepped=self._members,
         )
         steps = rules.verdict(
             rank=self.rank,
@@ -344,13 +345,6 @@ class LivenessWatch:
                 "connections closed; it must not join the re-formed mesh"
             )
         return outcome
-
-    def _moved(self, old: ProcessGroupMesh, new: ProcessGroupMesh) -> None:
-        """The members of ``old`` go on as ``new`` (re-formed): their count moves along."""
-        key, moved = members_key(old.layout.ranks), members_key(new.layout.ranks)
-        with self._ledger_lock:
-            self._ledger.moved(key, moved)
-            self._members[moved] = sorted(new.layout.ranks)
 
     def _note_agreement(self, name: str) -> None:
         """Refuse a name used before; note it for the clean-up (one append)."""

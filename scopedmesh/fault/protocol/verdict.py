@@ -127,8 +127,9 @@ class Commit:
 
 @dataclass(frozen=True)
 class Ask:
-    """An agreement on ``attempt`` begins here; in ``doubt`` (the vote did not settle the
-    step here), every member is asked to answer: their watches check in with their counts."""
+    """An agreement on ``attempt`` begins here (this rank's count there is final: the
+    ledger counts it answered for); in ``doubt`` (the vote did not settle the step here),
+    every member is asked to answer: their watches check in with their counts."""
 
     attempt: int
     doubt: bool = True
@@ -158,10 +159,13 @@ class RaisedAgain:
 
 @dataclass(frozen=True)
 class Agreed:
-    """The members agreed on ``attempt``: their count of committed steps is ``highest``."""
+    """The members agreed on ``attempt``: their count of committed steps is ``highest``,
+    and they go on as ``survivors`` (the ledger moves there at once, so that an ask
+    about the survivors' mesh finds this rank there)."""
 
     attempt: int
     highest: int
+    survivors: tuple[int, ...]
 
 
 Action = (
@@ -248,16 +252,20 @@ class Ledger:
 
     def fence(
         self, start: tuple[str, int], chain: Iterable[tuple[str, int]], count: int = 0
-    ) -> bool:
+    ) -> bool | None:
         """Fence every attempt of ``chain`` (this rank answers for them: no vote of its own
         there commits), where the ledger is still at ``start`` with ``count`` committed
-        steps there (a step that committed meanwhile makes the answer stale); whether it was.
+        steps there (a step that committed meanwhile makes the answer stale); whether it
+        was, or None where every one was answered for already (nothing to answer again).
 
         >>> ledger = Ledger()
         >>> ledger.fence(("m2.0-1", 0), [("m2.0-1", 0), ("m2.0-1", 1)]), ledger.commit("m2.0-1", 0)
         (True, False)
         """
         key, attempt = start
+        chain = list(chain)
+        if all(link in self.answered for link in chain):
+            return None
         if self.attempt(key) != attempt or self.committed.get(key, 0) != count:
             return False
         self.answered.update(chain)
@@ -332,7 +340,7 @@ def verdict(
     decided = yield from agreement(keys, members, rank, committed=mine, limit=limit, tag=tag)
     highest = mine if decided.committed is None else decided.committed
     committed = doubt_commits(mine, highest, flag)
-    yield Agreed(attempt, highest)
+    yield Agreed(attempt, highest, tuple(r for r in members if r not in decided.lost))
     departed = dict((yield Departed(decided.lost))) if decided.lost else {}
     error = None
     if departed:
@@ -361,7 +369,8 @@ class Steps:
 class Fence:
     """Fence ``chain`` (the attempts this rank answers for, from ``start`` on), unless the
     ledger moved from ``start`` (its attempt, or ``count``, its committed steps there)
-    meanwhile; answered with whether it fenced (:meth:`Ledger.fence`)."""
+    meanwhile; answered with whether it fenced, or None where it had answered for them
+    all already (:meth:`Ledger.fence`)."""
 
     start: tuple[str, int]
     chain: tuple[tuple[str, int], ...]
@@ -413,7 +422,10 @@ def _answer_once(
             chain.append((start_key, at))
         if (start_key, at) != (key, attempt):
             continue
-        if not (yield Fence(start[:2], tuple(chain), start[2])):
+        fenced = yield Fence(start[:2], tuple(chain), start[2])
+        if fenced is None:  # answered already (or agreeing there itself)
+            return False
+        if not fenced:
             return None
         keys = Keys(f"{prefix}/agree/{agreement_name(members, f'event{attempt}')}")
         yield from answer(keys, members, rank, committed=count)
