@@ -58,11 +58,12 @@ class LostRankError(RuntimeError):
 
 
 class StepError(RuntimeError):
-    """An exception inside a replicated step (or its state transfer) on a rank of this
-    replica: the step failed on every member, and this replica left the job.
-
-    Raised on every rank of that replica, chained (``__cause__``) to the original
-    exception on the rank that raised it; the other replicas see a failed step.
+    """A step failed because of an exception that left the job: on ``Replicas``, one inside
+    a replicated step (or its state transfer) on a rank of this replica (the step failed
+    on every member, and this replica left the job; raised on every rank of that replica,
+    chained to the original exception where it was raised, while the other replicas see
+    a failed step); on ``LivenessWatch.step``, a peer that left the job after an
+    exception (its type and message in this error's, chained to this rank's own).
     """
 
 

@@ -40,9 +40,9 @@ raised it, after the others know. A ``RuntimeError`` (what a collective
 raises when a peer fails) is the step's failure, kept on ``error`` and not
 raised, unless the step raised it here in two attempts in a row with nobody
 lost and this rank stopped the step first (a bug, which would otherwise be
-redone for ever). A member the agreement lost that *left* (its watch closed after an exception)
-fails the step everywhere with a ``StepError`` naming its exception. The
-rules are :mod:`scopedmesh.fault.protocol.verdict`'s.
+redone for ever). A member the agreement lost that *left* (its watch closed
+after an exception) fails the step everywhere with a ``StepError`` naming its
+exception. The rules are :mod:`scopedmesh.fault.protocol.verdict`'s.
 
 >>> Step.__name__
 'Step'
