@@ -331,6 +331,8 @@ class Simulation:
                 self._check_timeout(m, error)
                 return
             self.verdicts.setdefault(vote_at, {})[m.rank] = (verdict.committed, verdict.lost)
+            if verdict.committed and raised != rules.NONE:  # its flag failed the vote
+                self.problems.append(f"rank {m.rank} committed step {m.step}, which raised there")
             if verdict.agreed:
                 self.seen.add("an agreement" + (" that lost a member" if verdict.lost else ""))
                 if raised == rules.NONE and not verdict.committed:
