@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,3 +55,17 @@ def destroy_all_but_world() -> None:
     for pg in list(c10d._world.pg_map):
         if pg is not c10d.GroupMember.WORLD:
             dist.destroy_process_group(pg)
+
+
+def in_doubt(step: Any, mesh: Any, out: dict[str, Any]) -> None:
+    """Leave this rank in doubt about ``step``: its vote completes (kept in ``out["vote"]``),
+    then its mesh is aborted before it reads the answer, as when a death's abort lands just
+    after the vote: its peers commit the step, this rank does not know it."""
+    vote = step._vote
+
+    def read_too_late(flag: int) -> int | None:
+        out["vote"] = vote(flag)
+        mesh.abort("by the test, just after this rank's vote")
+        return None
+
+    step._vote = read_too_late

@@ -7,25 +7,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _workers_common import in_doubt
 
 from scopedmesh import ProcessGroupMesh, StepError
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.fault.liveness import LivenessWatch
 
 STEPS = 4
-
-
-def _in_doubt(step: Any, mesh: ProcessGroupMesh, out: dict[str, Any]) -> None:
-    """This rank's vote completes, then its mesh is aborted before it reads the answer, as
-    when a death's abort lands just after the vote: its peers commit, it is in doubt."""
-    vote = step._vote
-
-    def read_too_late(flag: int) -> int | None:
-        out["vote"] = vote(flag)
-        mesh.abort("by the test, just after this rank's vote")
-        return None
-
-    step._vote = read_too_late
 
 
 def two_meshes_one_watch(rank: int, world: int) -> dict[str, Any]:
@@ -43,7 +31,7 @@ def two_meshes_one_watch(rank: int, world: int) -> dict[str, Any]:
         while step < STEPS:
             verdict = watch.step(mesh, "dp")
             if rank == 2 and step == 2 and "vote" not in out:
-                _in_doubt(verdict, mesh, out)
+                in_doubt(verdict, mesh, out)
             try:
                 with verdict:
                     grad = torch.full_like(w, float(step + 1))
@@ -112,7 +100,7 @@ def compute_longer_than_the_timeout(rank: int, world: int, compute: float) -> di
         while step < STEPS:
             verdict = watch.step(mesh, "dp")
             if rank == 1 and step == 2 and "vote" not in out:
-                _in_doubt(verdict, mesh, out)
+                in_doubt(verdict, mesh, out)
             began = time.monotonic()
             with verdict:
                 if rank == 3 and step == 3 and "computed" not in out:

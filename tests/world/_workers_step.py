@@ -16,6 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the double beside this module
 
 from _nccl_double import BACKEND, Log, register, wait_for
+from _workers_common import in_doubt
 
 from scopedmesh import LostRankError, ProcessGroupMesh
 from scopedmesh.c10d import groups as _c10d
@@ -139,14 +140,7 @@ def doubt_on_one_rank(rank: int, world: int, at: int) -> dict[str, Any]:
         while step < STEPS:
             verdict = watch.step(mesh, "dp")
             if rank == 1 and step == at and "vote" not in out:
-                vote = verdict._vote
-
-                def read_too_late(flag: int, vote: Any = vote, mesh: Any = mesh) -> int | None:
-                    out["vote"] = vote(flag)
-                    mesh.abort("by the test, just after this rank's vote")
-                    return None
-
-                verdict._vote = read_too_late  # type: ignore[method-assign]
+                in_doubt(verdict, mesh, out)
             with verdict:
                 grad = _train(mesh, w, step)
             mesh = verdict.mesh

@@ -389,11 +389,13 @@ def answer_ask(*, rank: int, prefix: str, key: str, attempt: int) -> Generator[A
     that no vote of its own there commits; its main thread reads those decisions
     when it gets there. Where a decision on the way is not written yet, or lost
     this rank, it does not answer (the asker is answered by its own agreement).
+
+    A step this rank commits between the read of its ledger and the fence makes the
+    answer stale: it is worked out again. That ends, for each retry follows a move of this
+    rank's ledger, and once the ledger is past ``attempt`` there is nothing to answer.
     """
-    for _ in range(8):  # again where a step committed between the read and the fence
-        answered = yield from _answer_once(rank=rank, prefix=prefix, key=key, attempt=attempt)
-        if answered is not None:
-            return
+    while (yield from _answer_once(rank=rank, prefix=prefix, key=key, attempt=attempt)) is None:
+        pass
 
 
 def _answer_once(
