@@ -279,7 +279,8 @@ class Simulation:
         yield None  # the read is one request
         while member.answers:
             key, attempt = member.answers.pop(0)
-            yield from self._answer(member, key, attempt)
+            if agreeing.holds(key, member.rank) is not False:  # as LivenessWatch._on_asks
+                yield from self._answer(member, key, attempt)
 
     def _answer(self, member: Member, key: str, attempt: int) -> Generator[Any, Any, None]:
         """``LivenessWatch._answer``: the library's generator, its ledger requests carried

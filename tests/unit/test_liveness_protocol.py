@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from scopedmesh.c10d.store import WatchKeys
 from scopedmesh.fault.liveness import LivenessWatch
@@ -358,3 +360,32 @@ def test_a_rank_declared_dead_that_closes_is_counted_once_at_the_clean_up() -> N
     shell._store, shell.rank = store, 1
     shell._clean_up()
     assert not store.check([keys.lost]) and not store.check([keys.closed])
+
+
+def _runs(members: set[int]) -> str:
+    """The reference text of a set as runs, written out here: ``0-3_7``."""
+    ranks, runs = sorted(members), []
+    while ranks:
+        first = last = ranks.pop(0)
+        while ranks and ranks[0] == last + 1:
+            last = ranks.pop(0)
+        runs.append(str(first) if first == last else f"{first}-{last}")
+    return "_".join(runs)
+
+
+@given(
+    members=st.sets(st.integers(0, 5000), min_size=1, max_size=64),
+    rank=st.integers(0, 5000),
+)
+def test_a_members_key_says_whether_it_holds_a_rank(members: set[int], rank: int) -> None:
+    """``holds`` reads the key back: whether the members hold the rank, wherever the key
+    lists them as runs; None (never a wrong answer) where it is a digest."""
+    key = protocol.members_key(members)
+    listed = len(_runs(members)) <= 32
+    assert protocol.holds(key, rank) == ((rank in members) if listed else None), key
+
+
+@pytest.mark.parametrize("digest", ["0123456789012345", "e190a7e647798086"])
+def test_a_digest_names_no_ranks(digest: str) -> None:
+    """A digest of decimal digits only is not read as a run of ranks."""
+    assert protocol.holds(f"m2048.{digest}", 123) is None

@@ -59,6 +59,7 @@ from scopedmesh.fault.protocol import verdict as rules
 from scopedmesh.fault.protocol.agreement import (
     agreement,
     agreement_name,
+    holds,
     members_key,
 )
 from scopedmesh.layout import Axis
@@ -538,7 +539,8 @@ class LivenessWatch:
         its count of committed steps, fencing the attempt (:func:`~scopedmesh.fault.
         protocol.verdict.answer_ask`), so that nobody waits on this rank's compute."""
         for key, attempt in asks:
-            self._answer(self._waiting_store, key, attempt)
+            if holds(key, self.rank) is not False:  # an ask of other members costs nothing
+                self._answer(self._waiting_store, key, attempt)
 
     def _answer(self, store: Any, key: str, attempt: int, *, closing: bool = False) -> None:
         """Check in for this rank to ``attempt`` of the members ``key`` it steps on, with

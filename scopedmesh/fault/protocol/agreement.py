@@ -55,6 +55,7 @@ __all__ = [
     "committed_in",
     "committed_of",
     "decision_of",
+    "holds",
     "members_key",
     "proposal",
 ]
@@ -168,6 +169,25 @@ def members_key(members: Iterable[int]) -> str:
 
         text = hashlib.sha1(text.encode()).hexdigest()[:16]
     return f"m{len(ranks)}.{text}"
+
+
+def holds(key: str, rank: int) -> bool | None:
+    """Whether the members named ``key`` (:func:`members_key`) hold ``rank``; None where the
+    key is a digest, which does not say.
+
+    >>> holds("m3.2-3_7", 7), holds("m3.2-3_7", 4), holds("m2048.e190a7e647798086", 2)
+    (True, False, None)
+    """
+    size, _, text = key.partition(".")
+    parts = text.split("_")
+    if not all(part.replace("-", "", 1).isdigit() for part in parts):
+        return None  # a digest (or no key of runs)
+    runs = [
+        (int(first), int(last or first)) for first, _, last in (p.partition("-") for p in parts)
+    ]
+    if f"m{sum(last - first + 1 for first, last in runs)}" != size:
+        return None  # a digest of decimal digits only: it names no ranks
+    return any(first <= rank <= last for first, last in runs)
 
 
 # ------------------------------------------------------------------ the texts
