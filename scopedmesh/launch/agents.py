@@ -55,7 +55,8 @@ _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago.
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it
+    before you use it: good enough for a rendezvous on this host, and for tests).
 
     >>> 0 < free_port() < 65536
     True
@@ -196,7 +197,6 @@ class ReplicaAgents:
             )
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             env[LAUNCH_VARIABLE] = self.launch_id
-            env.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not at exit
             process = subprocess.Popen(
                 self.agent_command(), env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
