@@ -1,8 +1,8 @@
 """``scopedmesh replicas`` run as a user runs it: a failed replica's report, a clean stop.
 
 The workers here are tiny scripts that never import torch; the cost is the
-launcher's and the agents' interpreters (torchrun imports torch): about 10 s a test
-on 2 idle cores. The kill-and-grow-back run is tests/world/test_grow.py's
+launcher's and the agents' interpreters (torchrun imports torch): 5 to 28 s and 11
+to 15 s for the first two tests on 2 cores shared with other jobs (load 13 to 16). The kill-and-grow-back run is tests/world/test_grow.py's
 ``test_the_example_under_the_launcher_grows_back_with_equal_state``.
 """
 
