@@ -107,7 +107,8 @@ class Agent:
         code = self.process.returncode
         how = f"its agent exited with code {code}"
         if code is not None and code < 0:
-            how = f"its agent was killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            how = f"its agent was killed by signal {name}"
         rank = "" if self.failed_rank is None else f", rank {self.failed_rank}"
         exit_code = "" if self.failed_exitcode is None else f" (exit code {self.failed_exitcode})"
         lines = "\n".join(f"  {line}" for line in last_words(list(self.tail)))
