@@ -21,7 +21,8 @@ departures ``n - 1``, the release's delete 1), at most 3 per member.
 **Stopped.** A wait that must end early (the member's mesh was aborted: a
 member died, or a step raised) is ended by a write, never found by a poll.
 Whoever aborts the mesh wakes its barrier (``Stop.subscribe``); the barrier
-then *stops* the incarnation for every member: it adds :data:`STOPPED` (a
+then *stops* the incarnation for every member (from a short-lived thread, over
+a cloned client: the waiter's wait holds its own): it adds :data:`STOPPED` (a
 large negative number) to the arrival counter, so that no arrival can ever
 complete it, and, unless every member had arrived already (the release
 stands then), writes why (:func:`~scopedmesh.c10d.store.formation_stop_key`)
@@ -126,7 +127,7 @@ class _Barrier:
             early = self.stop.why() if self.stop is not None else None
             if early is not None:  # stop the others too, at once
                 self.ended = True
-                self._halt(self.store, early)
+                self._halt(self.store, str(early), arrived=False)
                 raise early
             arrivals = self.store.add(self.formed, 1)
             self.arrived = True
@@ -148,7 +149,8 @@ class _Barrier:
 
     def _wait(self, timeout: timedelta, *, woken: bool) -> bool:
         """One ``wait`` for the release (``woken``: whatever must end it writes the key), else
-        watched slices. False at the timeout; on return no stop is written for this wait."""
+        watched slices. False at the timeout. A stop written meanwhile is the key's verdict: the
+        release key is written once, to one verdict, whoever wakes first."""
         try:
             if not woken and self.stop is not None:
                 deadline = time.monotonic() + timeout.total_seconds()
@@ -162,25 +164,39 @@ class _Barrier:
                 raise
             return True
         finally:
-            with self.lock:  # a stop being written finishes first: the key holds its verdict
+            with self.lock:  # from here on an abort writes no stop for this member
                 self.ended = True
 
     def wake(self) -> None:
         """Stop the barrier now, from any thread (an abort's): unless this member's wait has
-        ended, every member's wait ends. Never raises (the wait times out then)."""
+        ended, every member's wait ends. Returns at once: the store is written from a thread
+        of its own, over a client of its own (the waiter's wait holds this member's; a new
+        connection can take seconds where the store host's DNS is slow). Never raises."""
         with self.lock:
             if self.ended:
                 return
             self.ended = True
-            why = self.stop.why() if self.stop is not None else None
-            reason = why or GroupFormationError(f"stopped forming {self._group()}")
-            with contextlib.suppress(RuntimeError):  # the store is gone: the wait times out
-                self._halt(_side_client(self.store), reason)
+            # Not Stop.why(): naming a lost member reads the store through the client the
+            # waiter's wait holds. The waiters name it themselves once woken.
+            aborted = self.stop.aborted if self.stop is not None else None
+            reason = f"its mesh was aborted ({aborted()})" if aborted is not None else "stopped"
+            arrived = self.arrived
+        threading.Thread(
+            target=self._halt_aside,
+            args=(reason, arrived),
+            name="scopedmesh-barrier-stop",
+            daemon=True,
+        ).start()
 
-    def _halt(self, store: c10d.Store, reason: BaseException) -> None:
-        """Stop the incarnation for every member unless all have arrived (it is released)."""
+    def _halt_aside(self, reason: str, arrived: bool) -> None:
+        with contextlib.suppress(RuntimeError):  # the store is gone: the waits time out
+            self._halt(_side_client(self.store), reason, arrived=arrived)
+
+    def _halt(self, store: c10d.Store, reason: str, *, arrived: bool) -> None:
+        """Stop the incarnation for every member unless all have arrived (it is released);
+        ``arrived``: this member's arrival is counted."""
         arrivals = store.add(self.formed, STOPPED) % _ARRIVALS
-        if self.arrived and arrivals == 0:  # the counter was gone (the release deleted it)
+        if arrived and arrivals == 0:  # the counter was gone (the release deleted it)
             store.delete_key(self.formed)  # the add made it again
             return
         if arrivals >= self.size:  # every member arrived: the release stands

@@ -1,11 +1,13 @@
 """The formation barrier: each waiter is woken once, by the release or by an abort.
 
 Threads stand for the members of one incarnation (scopedmesh.c10d.barrier), over one
-torch ``HashStore``; each member holds a real ``GroupTable`` (what a mesh's formation
-subscribes to) and counts its own store requests. Counts and agreement are asserted,
-never times: a release that comes late (past the old 0.5 s grace) still costs one
-``wait``, an abort of one member's table ends every member's wait, with one ``wait``
-each, and an abort racing the last arrival leaves every member with the same verdict.
+torch ``HashStore``, each through a client of its own that runs one request at a time
+(a wait holds it, as a ``TCPStore`` client's does); each member holds a real
+``GroupTable`` (what a mesh's formation subscribes to) and counts its own requests.
+Counts and agreement are asserted, never times: a release that comes late (past the
+old 0.5 s grace) still costs one ``wait``; an abort of one member's table ends every
+member's wait, with one ``wait`` each, even while a member's death is known (naming it
+reads the store); an abort racing the last arrival leaves every member the same verdict.
 """
 
 from __future__ import annotations
@@ -31,58 +33,83 @@ from scopedmesh.mesh.group_table import GroupTable
 TIMEOUT = timedelta(seconds=20)  # never reached: a member that waited it out fails the test
 
 
-class _Counting:
-    """One member's view of the shared store, counting its requests by kind."""
+class _Client:
+    """One member's client of the shared store: one request at a time, counted by kind."""
 
-    def __init__(self, store: Any, linger: dict[str, float]) -> None:
+    def __init__(self, store: HashStore, linger: dict[str, float]) -> None:
         self.store, self.kinds, self.linger = store, Counter[str](), linger
+        self.busy = threading.Lock()  # held for a request's whole length, a wait's too
+
+    def clone(self) -> _Client:
+        return _Client(self.store, {})
 
     def __getattr__(self, method: str) -> Any:
         def call(*args: Any) -> Any:
-            self.kinds[method] += 1
-            result = getattr(self.store, method)(*args)
+            with self.busy:
+                self.kinds[method] += 1
+                result = getattr(self.store, method)(*args)
             time.sleep(self.linger.get(method, 0.0))  # descheduled as the request returns
             return result
 
         return call
 
 
+class _Lost:
+    """A liveness watch's answers: the ranks in ``dead`` have died."""
+
+    def __init__(self) -> None:
+        self.dead: set[int] = set()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return ()
+
+    def why_lost(self, rank: int) -> str | None:
+        return "has died (the test says so)" if rank in self.dead else None
+
+
 def _run(
     size: int,
-    delays: list[float],
+    delays: list[float | None],
     abort_at: tuple[int, float] | None = None,
     linger: dict[int, dict[str, float]] | None = None,
 ) -> tuple[list[Any], list[Counter[str]], HashStore, str]:
-    """Each member arrives after its delay; ``abort_at``: (member, seconds) its table is
-    aborted then; ``linger[member][kind]``: that member's requests of that kind return
-    so many seconds late. Returns each member's outcome (None: formed, else its error) and counts."""
+    """Each member arrives after its delay (None: it has died, and never does);
+    ``abort_at``: (member, seconds) its table is aborted then, the dead known lost;
+    ``linger[member][kind]``: that member's requests of that kind return so many seconds
+    late. Returns each member's outcome (None: formed, else its error) and counts."""
     store = HashStore()
     name = f"scopedmesh-barrier-{random.random()}"
     tables = [GroupTable() for _ in range(size)]
-    counted = [_Counting(store, (linger or {}).get(r, {})) for r in range(size)]
+    clients = [_Client(store, (linger or {}).get(r, {})) for r in range(size)]
     outcomes: list[Any] = ["never ended"] * size
+    lost = _Lost()
 
-    def member(r: int) -> None:
+    def member(r: int, delay: float) -> None:
         table = tables[r]
-        stop = Stop(
-            store, "the test group", range(size), r, None, table._why_aborted, table.on_abort
-        )
-        time.sleep(delays[r])
+        stop = Stop(clients[r], "the test group", range(size), r, lost, table._why_aborted)  # type: ignore[arg-type]
+        stop.subscribe = table.on_abort
+        time.sleep(delay)
         try:
-            all_formed(counted[r], name, size, r, TIMEOUT, [], stop)  # type: ignore[arg-type]
+            all_formed(clients[r], name, size, r, TIMEOUT, [], stop)  # type: ignore[arg-type]
             outcomes[r] = None
         except Exception as error:  # the outcome under test
             outcomes[r] = error
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    threads = [
+        threading.Thread(target=member, args=(r, delay))
+        for r, delay in enumerate(delays)
+        if delay is not None
+    ]
     for thread in threads:
         thread.start()
     if abort_at is not None:
         time.sleep(abort_at[1])
+        lost.dead.update(r for r, delay in enumerate(delays) if delay is None)
         tables[abort_at[0]].abort("by the test")
     for thread in threads:
         thread.join(TIMEOUT.total_seconds() + 5)
-    return outcomes, [c.kinds for c in counted], store, name
+    return outcomes, [c.kinds for c in clients], store, name
 
 
 def test_a_late_release_wakes_each_waiter_once_and_leaves_no_key() -> None:
@@ -95,18 +122,26 @@ def test_a_late_release_wakes_each_waiter_once_and_leaves_no_key() -> None:
 
 
 def test_an_abort_of_one_member_ends_every_wait_at_once_with_its_reason() -> None:
-    size = 5
-    # Members 0..3 wait; member 4 comes 0.6 s late, after member 1's table is aborted.
-    outcomes, kinds, store, name = _run(size, [0.0] * 4 + [0.6], abort_at=(1, 0.3))
-    assert isinstance(outcomes[1], MeshClosedError), outcomes  # its own reason
-    for r in (0, 2, 3, 4):
+    size = 6
+    # Members 0..3 wait; 4 and 5 have died: only member 1's abort can end the waits.
+    outcomes, kinds, store, name = _run(size, [0.0] * 4 + [None, None], abort_at=(1, 0.3))
+    for r in range(4):  # each names a dead member itself (its own liveness)
         assert isinstance(outcomes[r], GroupFormationError), outcomes
-        assert "rank 1 stopped it" in str(outcomes[r]) and "aborted" in str(outcomes[r])
-    assert [k["wait"] for k in kinds] == [1, 1, 1, 1, 0]  # the late one never waits
+        assert "rank 4 has died" in str(outcomes[r]), outcomes
+    assert [k["wait"] for k in kinds] == [1, 1, 1, 1, 0, 0]
     formed, released = formation_keys(name)
     # Stopped: the release says so, and no arrival can complete the counter any more.
     assert STOPPED <= int(store.get(released)) < STOPPED + size and int(store.get(formed)) < 0
-    assert store.check([formation_stop_key(name)])
+    assert "rank 1 stopped it" in store.get(formation_stop_key(name)).decode()
+
+
+def test_a_member_that_arrives_after_a_stop_never_waits() -> None:
+    outcomes, kinds, _, _ = _run(3, [0.0, 0.0, 0.4], abort_at=(0, 0.2))
+    assert isinstance(outcomes[0], MeshClosedError), outcomes  # its own mesh's abort
+    for r in (1, 2):
+        assert isinstance(outcomes[r], GroupFormationError), outcomes
+        assert "rank 0 stopped it: its mesh was aborted" in str(outcomes[r]), outcomes
+    assert [k["wait"] for k in kinds] == [1, 1, 0]
 
 
 @pytest.mark.parametrize("deleted", [False, True])
@@ -134,7 +169,7 @@ def test_an_abort_after_the_release_leaves_it_standing(deleted: bool) -> None:
 def test_an_abort_racing_the_last_arrival_leaves_every_member_the_same_verdict(
     size: int, delays: list[float], aborted: int, at: float
 ) -> None:
-    outcomes, kinds, _, _ = _run(size, delays[:size], abort_at=(aborted % size, at))
+    outcomes, kinds, _, _ = _run(size, list(delays[:size]), abort_at=(aborted % size, at))
     assert "never ended" not in outcomes
     formed = [outcome is None for outcome in outcomes]
     assert all(formed) or not any(formed), outcomes
