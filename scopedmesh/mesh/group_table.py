@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -29,6 +29,9 @@ from scopedmesh.c10d import nccl as _nccl
 from scopedmesh.c10d.diagnosis import Liveness
 from scopedmesh.c10d.store import StoreUse
 from scopedmesh.errors import GroupFormationError, MeshClosedError
+
+if TYPE_CHECKING:
+    from scopedmesh.mesh.standby import Standby
 
 __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
 
@@ -70,6 +73,8 @@ class GroupTable:
     ``fresh_communicators`` says that the table's groups must not derive from
     WORLD's communicator (a healed mesh's: WORLD holds the lost ranks), so
     they form by their own init over the store (:func:`scopedmesh.c10d.nccl.unsplit`).
+    ``standby`` holds groups formed ahead of a death (:mod:`scopedmesh.mesh.standby`):
+    a request whose group is there takes it instead of forming one.
     """
 
     __slots__ = (
@@ -85,6 +90,7 @@ class GroupTable:
         "liveness",
         "lock",
         "ordered",
+        "standby",
         "store_use",
     )
 
@@ -102,6 +108,7 @@ class GroupTable:
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
         self.store_use = StoreUse()  # whether a formation clones torch's store client
+        self.standby: Standby | None = None  # groups formed ahead for this table's requests
         self._record()
 
     def _record(self) -> None:
@@ -153,6 +160,11 @@ class GroupTable:
         holds :attr:`lock`.
         """
         ranks, backend = key
+        ready = self.standby.take(key) if self.standby is not None else None
+        if ready is not None:  # formed before the death: nothing forms now
+            entry = Entry(key, ready, options)
+            self._entries[key] = entry
+            return entry
         try:
             if not self._recorded and len(ranks) > 1 and backend != "fake":
                 _c10d.record_process()  # once per table: peers can tell if this rank dies

@@ -159,7 +159,7 @@ def test_an_abort_after_the_release_leaves_it_standing(deleted: bool) -> None:
     assert store.num_keys() == 0
 
 
-@settings(max_examples=30)
+@settings(max_examples=15)
 @given(
     st.integers(2, 5),
     st.lists(st.floats(0.0, 0.05), min_size=5, max_size=5),

@@ -58,6 +58,30 @@ def test_a_healed_meshs_groups_never_split_from_a_bound_world() -> None:
         assert out["bound_after"] == "cuda:0", out
 
 
+@pytest.mark.fault  # a world of 4 twice: about 20 s on 2 cores
+@pytest.mark.parametrize("group_call", [True, False], ids=["nccl", "nccl2"])
+def test_a_heal_takes_the_standby_group_and_forms_no_communicator(group_call: bool) -> None:
+    """Issue 45 item 3, on the double. A guarded mesh of 4 along dp; every rank prepares the
+    standby groups for the loss of any one rank (``prepare_standby``: 3 groups of 3 on each
+    rank, one communicator init each). Rank 3 is SIGKILLed: the watch aborts the mesh's
+    group but none of the standby ones, and the survivors' heal takes their group from
+    the standby: no communicator is made between the death and the healed dp group. The
+    groups left (each holds rank 3) go when the healed mesh closes. ``nccl2``: the double
+    without NCCL's group call, as torch 2.14+'s ``nccl2``: the same, aborted group by group."""
+    results = run_world(
+        workers.healed_from_standby, 4, args=(group_call,), allow_exit=[workers.VICTIM], timeout=240
+    )
+    assert results[workers.VICTIM] is None
+    for rank in (0, 1, 2):
+        out = results[rank]
+        assert out["prepared"] == {"made": 1 + 3, "groups": 3, "formed": 3}, out  # dp + standby
+        assert out["made_in_heal"] == 0, out
+        assert out["is_standby"] is True and out["healed_ranks"] == [0, 1, 2], out
+        assert (out["taken"], out["left"], out["left_after_close"]) == (1, 2, 0), out
+        assert out["standby_aborted"] == [], out  # the abort left the standby groups alone
+        assert out["group_calls"] == (1 if group_call else 0), out
+
+
 @pytest.mark.fault
 def test_the_nccl_heal_benchmark_dry_run_on_gloo_heals_with_the_right_sums() -> None:
     """benchmarks/heal_nccl.py's rank code and launcher on the CPU (gloo): the launcher
