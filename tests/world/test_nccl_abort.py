@@ -86,10 +86,12 @@ def test_a_heal_takes_the_standby_group_and_forms_no_communicator(group_call: bo
 def test_the_nccl_heal_benchmark_dry_run_on_gloo_heals_with_the_right_sums() -> None:
     """benchmarks/heal_nccl.py's rank code and launcher on the CPU (gloo): the launcher
     SIGKILLs a random rank of 2 at a random moment; the survivor heals, trains on, and
-    every step sums its members (heal_nccl.check). Its NCCL parts run on a GPU host only."""
+    every step sums its members (heal_nccl.check). Its NCCL parts run on a GPU host only.
+    The second kill's world forms its standby groups first: its survivor takes its healed
+    group from them (heal_nccl.check counts it)."""
     rng = random.Random(33)
     plan = {"world": 2, "backend": "gloo", "steps": 40, "warm": 5, "window": 0.05}
-    for _ in range(2):
-        kill = heal_nccl.launch(plan, rng, timeout=240)
+    for standby in (False, True):
+        kill = heal_nccl.launch({**plan, "standby": standby}, rng, timeout=240)
         heal_nccl.check(kill)
         assert len(heal_nccl.phases(kill)) == len(heal_nccl.PHASES)
