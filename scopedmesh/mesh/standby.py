@@ -131,7 +131,10 @@ def prepare_standby(
     holding this rank is skipped (this rank would not survive it). Returns the
     :class:`Standby` (its counts; ``close()`` releases the groups).
 
-    Every member of ``mesh`` calls it with the same arguments.
+    Every member of ``mesh`` calls it with the same arguments. A formation fails as a
+    mesh's does (the mesh aborted meanwhile: :class:`~scopedmesh.errors.MeshClosedError`;
+    a member missing: :class:`~scopedmesh.errors.GroupFormationError`); nothing formed
+    by the call is kept then, and the standby the mesh held stays.
     """
     from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
@@ -149,26 +152,21 @@ def prepare_standby(
     keys = standby_keys(layout, mesh.rank, index, chosen, ordered=table.ordered, backend=backend)
     free = _free_bytes()
     with table.lock:
-        for key in keys:
-            kept = old.take(key) if old is not None else None
-            if kept is not None:
-                pool.add(key, kept)
-                continue
-            group = _c10d.new_member_group(
-                key[0],
-                backend=backend,
-                timeout=mesh.timeout,
-                pg_options=mesh.pg_options,
-                description=f"scopedmesh-standby:{layout.axis_name(index)}",
-                what=f"a standby group over ranks {list(key[0])}",
-                unsplit=True,  # never from WORLD's communicator: it holds the ranks to lose
-            )
-            if group is None:  # this rank is a member of each key: None is the library's bug
-                raise RuntimeError(f"rank {mesh.rank} got no standby group over {key[0]}")
-            if warm is not None:
-                warm(group)
-            pool.add(key, group)
-            pool.formed += 1
+        mesh._scope.check_open(mesh)
+        table.check_not_aborted(mesh)
+        reused = [key for key in keys if old is not None and key in old]  # the same on all
+        try:
+            for key in keys:
+                if key not in reused:
+                    pool.add(key, _form(mesh, key, index, warm))
+                    pool.formed += 1
+        except BaseException:  # an abort (a death meanwhile), a timeout: keep nothing half-made
+            pool.close()
+            raise
+        for key in reused:
+            group = old._groups.pop(key, None) if old is not None else None
+            if group is not None and _c10d.is_live(group):  # handed on, not taken by a request
+                pool.add(key, group)
         if old is not None:
             old.close()  # the groups no slice of this mesh needs (they hold a lost rank)
         table.standby = pool
@@ -176,6 +174,40 @@ def prepare_standby(
     if free is not None and after is not None:
         pool.bytes = max(0, free - after)
     return pool
+
+
+def _form(
+    mesh: ProcessGroupMesh,
+    key: tuple[tuple[int, ...], str],
+    index: int,
+    warm: Callable[[dist.ProcessGroup], None] | None,
+) -> dist.ProcessGroup:
+    """Form (and warm) one standby group as the mesh forms its own: watched by its liveness
+    watch, stopped by its abort, never split from WORLD's communicator."""
+    table = mesh._table
+    group = _c10d.new_member_group(
+        key[0],
+        backend=key[1],
+        timeout=mesh.timeout,
+        pg_options=mesh.pg_options,
+        description=f"scopedmesh-standby:{mesh.layout.axis_name(index)}",
+        what=f"a standby group over ranks {list(key[0])}",
+        grace=table.grace,
+        liveness=table.liveness,
+        store_use=table.store_use,
+        aborted=table._why_aborted,
+        on_abort=table.on_abort,
+        unsplit=True,  # never from WORLD's communicator: it holds the ranks to lose
+    )
+    if group is None:  # this rank is a member of each key: None is the library's bug
+        raise RuntimeError(f"rank {mesh.rank} got no standby group over {list(key[0])}")
+    if warm is not None:
+        try:
+            warm(group)
+        except BaseException:
+            _release([group])
+            raise
+    return group
 
 
 def standby_keys(

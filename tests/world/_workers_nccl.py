@@ -143,8 +143,16 @@ def healed_from_standby(rank: int, world: int, group_call: bool) -> dict[str, An
         ),
         "group_calls": sum(1 for what, _, _ in log.copy() if what == "group_start"),
     }
-    healed.close()  # the standby groups left (each holds rank 3) go with it
-    out["left_after_close"] = standby.groups
+    # Ready for the next death, off the critical path: the groups for losing any one of the
+    # 3 survivors (2 of 2 on each); the 2 left from before (each holds rank 3) are released.
+    left = sorted(names[g] for g in standby._groups.values())
+    before = made()
+    again = prepare_standby(healed, "dp")
+    out["again"] = [made() - before, again.formed, again.groups, standby.groups]
+    aborted = [name for what, name, _ in log.copy() if what == "abort" and name in standby_names]
+    out["released"] = sorted(aborted) == left and len(left) == 2
+    healed.close()  # the standby groups go with it
+    out["left_after_close"] = again.groups
     watch.close()
     return out
 

@@ -65,8 +65,9 @@ def test_a_heal_takes_the_standby_group_and_forms_no_communicator(group_call: bo
     standby groups for the loss of any one rank (``prepare_standby``: 3 groups of 3 on each
     rank, one communicator init each). Rank 3 is SIGKILLed: the watch aborts the mesh's
     group but none of the standby ones, and the survivors' heal takes their group from
-    the standby: no communicator is made between the death and the healed dp group. The
-    groups left (each holds rank 3) go when the healed mesh closes. ``nccl2``: the double
+    the standby: no communicator is made between the death and the healed dp group. Then,
+    off the critical path, the healed mesh prepares its own standby: the groups left (each
+    holds rank 3) are released, and the new ones go when the healed mesh closes. ``nccl2``: the double
     without NCCL's group call, as torch 2.14+'s ``nccl2``: the same, aborted group by group."""
     results = run_world(
         workers.healed_from_standby, 4, args=(group_call,), allow_exit=[workers.VICTIM], timeout=240
@@ -80,6 +81,8 @@ def test_a_heal_takes_the_standby_group_and_forms_no_communicator(group_call: bo
         assert (out["taken"], out["left"], out["left_after_close"]) == (1, 2, 0), out
         assert out["standby_aborted"] == [], out  # the abort left the standby groups alone
         assert out["group_calls"] == (1 if group_call else 0), out
+        # prepared again on the healed mesh: 2 groups of 2, the 2 left from before released
+        assert out["again"] == [2, 2, 2, 0] and out["released"] is True, out
 
 
 @pytest.mark.fault
