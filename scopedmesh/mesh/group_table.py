@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -29,9 +29,6 @@ from scopedmesh.c10d import nccl as _nccl
 from scopedmesh.c10d.diagnosis import Liveness
 from scopedmesh.c10d.store import StoreUse
 from scopedmesh.errors import GroupFormationError, MeshClosedError
-
-if TYPE_CHECKING:
-    from scopedmesh.mesh.standby import Standby
 
 __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
 
@@ -54,6 +51,18 @@ class Entry:
         self.options = options
         self.alive = True
         self.holds = 0
+
+
+class StandbyPool(Protocol):
+    """Groups formed ahead of a death (:class:`scopedmesh.mesh.standby.Standby`)."""
+
+    def take(self, key: GroupKey) -> dist.ProcessGroup | None:
+        """The group for ``key``, now the caller's, or None."""
+        ...
+
+    def close(self) -> None:
+        """Release every group held."""
+        ...
 
 
 class GroupTable:
@@ -108,7 +117,7 @@ class GroupTable:
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
         self.store_use = StoreUse()  # whether a formation clones torch's store client
-        self.standby: Standby | None = None  # groups formed ahead for this table's requests
+        self.standby: StandbyPool | None = None  # groups formed ahead for this table's requests
         self._record()
 
     def _record(self) -> None:

@@ -145,7 +145,7 @@ def prepare_standby(
     chosen = range(len(layout.shape)) if axes is None else [layout.axis_index(a) for a in axes]
     backend = str(dist.Backend(mesh.backend or dist.get_backend()))
     table = mesh._table
-    old = table.standby
+    old = table.standby if isinstance(table.standby, Standby) else None  # the only kind
     pool = Standby()
     if warm is None and backend in NCCL_NAMES:
         warm = _warm_nccl

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scopedmesh import MeshLayout, shrink
-from scopedmesh.mesh.standby import Standby, standby_keys
+from scopedmesh.mesh.standby import Standby, prepare_standby, standby_keys
 
 shapes = st.lists(st.integers(1, 4), min_size=1, max_size=3).filter(
     lambda shape: 2 <= len(MeshLayout(tuple(shape)).ranks) <= 24
@@ -78,3 +79,8 @@ def test_an_empty_standby_takes_nothing_and_closes() -> None:
     assert (standby.groups, standby.taken, standby.bytes_per_group) == (0, 0, None)
     standby.close()
     standby.prune([0])
+
+
+def test_prepare_standby_names_a_bad_mesh() -> None:
+    with pytest.raises(TypeError, match="mesh must be a ProcessGroupMesh, got"):
+        prepare_standby("dp", "dp")  # type: ignore[arg-type]
