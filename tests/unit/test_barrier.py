@@ -174,3 +174,15 @@ def test_an_abort_racing_the_last_arrival_leaves_every_member_the_same_verdict(
     formed = [outcome is None for outcome in outcomes]
     assert all(formed) or not any(formed), outcomes
     assert all(k["wait"] <= 1 for k in kinds)
+
+
+def test_a_member_that_never_arrives_ends_the_wait_at_the_timeout_saying_so() -> None:
+    store, name = HashStore(), "scopedmesh-barrier-alone"
+    client = _Client(store, {})
+    table = GroupTable()
+    stop = Stop(client, "the test group", range(2), 0, _Lost(), table._why_aborted)  # type: ignore[arg-type]
+    stop.subscribe = table.on_abort
+    with pytest.raises(GroupFormationError, match="could not form the test group within") as error:
+        all_formed(client, name, 2, 0, timedelta(seconds=0.3), [], stop)  # type: ignore[arg-type]
+    assert "not every member arrived at the formation barrier" in str(error.value)
+    assert client.kinds["wait"] == 1  # one wait for the whole timeout, no slices
