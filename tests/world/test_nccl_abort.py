@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import _workers_nccl as workers
 
-from benchmarks import heal_nccl
+from benchmarks import heal_nccl, nccl_reform
 from scopedmesh.testing import run_world
 
 
@@ -98,3 +98,15 @@ def test_the_nccl_heal_benchmark_dry_run_on_gloo_heals_with_the_right_sums() -> 
         kill = heal_nccl.launch({**plan, "standby": standby}, rng, timeout=240)
         heal_nccl.check(kill)
         assert len(heal_nccl.phases(kill)) == len(heal_nccl.PHASES)
+
+
+@pytest.mark.fault  # two worlds of 2 ranks: about 10 s on 2 cores
+def test_the_reform_paths_benchmark_dry_run_takes_the_standby_group() -> None:
+    """benchmarks/nccl_reform.py on the CPU (gloo): the survivor of a 2-rank mesh re-forms
+    it without the last rank, by a fresh group (none taken) and from the standby (its one
+    group taken); each world gives a time. Its NCCL paths run on a GPU host only."""
+    fresh = nccl_reform.one_world("fresh", 2, "gloo")
+    ready = nccl_reform.one_world("standby", 2, "gloo")
+    assert "problem" not in fresh and "problem" not in ready, (fresh, ready)
+    assert (fresh["taken"], ready["taken"]) == ([0], [1]), (fresh, ready)
+    assert fresh["seconds"] > 0 and ready["seconds"] > 0
