@@ -135,6 +135,7 @@ def test_an_abort_of_one_member_ends_every_wait_at_once_with_its_reason() -> Non
     assert "rank 1 stopped it" in store.get(formation_stop_key(name)).decode()
 
 
+@pytest.mark.fault  # a slow lane: 0.4 s
 def test_a_member_that_arrives_after_a_stop_never_waits() -> None:
     outcomes, kinds, _, _ = _run(3, [0.0, 0.0, 0.4], abort_at=(0, 0.2))
     assert isinstance(outcomes[0], MeshClosedError), outcomes  # its own mesh's abort
@@ -144,6 +145,7 @@ def test_a_member_that_arrives_after_a_stop_never_waits() -> None:
     assert [k["wait"] for k in kinds] == [1, 1, 0]
 
 
+@pytest.mark.fault  # a slow lane: 0.5 s each (the README's suite is at its budget)
 @pytest.mark.parametrize("deleted", [False, True])
 def test_an_abort_after_the_release_leaves_it_standing(deleted: bool) -> None:
     """Member 0's table is aborted once every member has arrived, before its wait returns,
@@ -159,6 +161,7 @@ def test_an_abort_after_the_release_leaves_it_standing(deleted: bool) -> None:
     assert store.num_keys() == 0
 
 
+@pytest.mark.fault  # a slow lane: about 1 s
 @settings(max_examples=15)
 @given(
     st.integers(2, 5),

@@ -47,6 +47,7 @@ def test_two_ranks_form_their_common_standby_groups_in_the_same_order(
         assert all(all(r in keys and group in keys[r] for r in group) for group in own)
 
 
+@pytest.mark.fault  # a slow lane: about 0.7 s (the README's suite is at its budget)
 @settings(max_examples=25)
 @given(shapes, st.data())
 def test_every_group_of_a_survivors_mesh_is_ready_on_its_members(
