@@ -16,7 +16,7 @@ wakes a liveness watch's members), then counts its departure on the release
 key itself; the one that brings it to ``size - 1`` is the last reader, and
 deletes it. Store requests per formation of ``n > 1`` members: ``3n + 1``
 here (arrivals ``n``, release 1, the counter's delete 1, waits ``n - 1``,
-departures ``n - 1``, the release's delete 1), at most 3 per member.
+departures ``n - 1``, the release's delete 1), at most 4 per member.
 
 **Stopped.** A wait that must end early (the member's mesh was aborted: a
 member died, or a step raised) is ended by a write, never found by a poll.
@@ -61,7 +61,6 @@ def all_formed(
     store: c10d.Store,
     name: str,
     size: int,
-    group_rank: int,
     timeout: timedelta,
     own: list[str],
     stop: Stop | None = None,
@@ -70,10 +69,10 @@ def all_formed(
 
     ``own`` are the keys this member wrote for the incarnation (its gloo
     address): deleted once released, or once stopped or timed out. ``stop``
-    says why to stop (see the module's docstring); without it, or without its
-    ``subscribe``, the wait is watched in slices of
-    :data:`~scopedmesh.c10d.diagnosis.SLICE` instead (a caller that has no way
-    to wake it).
+    says why to stop (see the module's docstring). One ``wait`` without
+    ``stop``, or with its ``subscribe``; a ``stop`` that has something to watch
+    (a liveness watch, an abort) but no ``subscribe`` is asked in slices of
+    :data:`~scopedmesh.c10d.diagnosis.SLICE` instead (its caller cannot wake the wait).
     """
     if size > 1:
         _Barrier(store, name, size, stop).join(timeout, own)  # deletes ``own`` if it raises

@@ -501,9 +501,10 @@ def _all_formed(
     ``set``, each waiter is woken once; an abort (``stop``) ends every wait at
     once. Each member then deletes its own gloo address (all in parallel, rather
     than one member deleting them all in turn). Store requests per formation of
-    ``n > 1`` members on gloo: ``4n + 1``; every member makes at most 4 here.
+    ``n > 1`` members on gloo: ``4n + 1``; every member makes 4 here or fewer, the last to
+    leave 5.
     """
-    all_formed(store, name, size, group_rank, timeout, own_keys(name, group_rank, backend), stop)
+    all_formed(store, name, size, timeout, own_keys(name, group_rank, backend), stop)
 
 
 def live_groups() -> Mapping[dist.ProcessGroup, object]:

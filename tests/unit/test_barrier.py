@@ -91,7 +91,7 @@ def _run(
         stop.subscribe = table.on_abort
         time.sleep(delay)
         try:
-            all_formed(clients[r], name, size, r, TIMEOUT, [], stop)  # type: ignore[arg-type]
+            all_formed(clients[r], name, size, TIMEOUT, [], stop)  # type: ignore[arg-type]
             outcomes[r] = None
         except Exception as error:  # the outcome under test
             outcomes[r] = error
@@ -186,6 +186,6 @@ def test_a_member_that_never_arrives_ends_the_wait_at_the_timeout_saying_so() ->
     stop = Stop(client, "the test group", range(2), 0, _Lost(), table._why_aborted)  # type: ignore[arg-type]
     stop.subscribe = table.on_abort
     with pytest.raises(GroupFormationError, match="could not form the test group within") as error:
-        all_formed(client, name, 2, 0, timedelta(seconds=0.3), [], stop)  # type: ignore[arg-type]
+        all_formed(client, name, 2, timedelta(seconds=0.3), [], stop)  # type: ignore[arg-type]
     assert "not every member arrived at the formation barrier" in str(error.value)
     assert client.kinds["wait"] == 1  # one wait for the whole timeout, no slices
