@@ -15,7 +15,7 @@ sum over its members.
 **Real:** scopedmesh, unchanged: ``ProcessGroupMesh`` and its group table (the
 process record at the mesh's making), ``new_member_group`` (the generation counter's
 ``add``, torch's private ``_new_process_group_helper``, the formation barrier of
-``scopedmesh.c10d.groups._all_formed``), ``close``. torch's group construction,
+``scopedmesh.c10d.barrier``), ``close``. torch's group construction,
 registry and destruction, per member. One torch ``HashStore`` that every member's
 requests reach (the counts do not depend on the kind of store; a ``TCPStore`` would
 need a connection per member, and the server's reverse DNS lookup of each,
