@@ -150,7 +150,8 @@ def prepare_standby(
     if warm is None and backend in NCCL_NAMES:
         warm = _warm_nccl
     keys = standby_keys(layout, mesh.rank, index, chosen, ordered=table.ordered, backend=backend)
-    free = _free_bytes()
+    on_cuda = backend in NCCL_NAMES  # its groups live on the current CUDA device
+    free = _free_bytes() if on_cuda else None
     with table.lock:
         mesh._scope.check_open(mesh)
         table.check_not_aborted(mesh)
@@ -170,7 +171,7 @@ def prepare_standby(
         if old is not None:
             old.close()  # the groups no slice of this mesh needs (they hold a lost rank)
         table.standby = pool
-    after = _free_bytes()
+    after = _free_bytes() if on_cuda else None
     if free is not None and after is not None:
         pool.bytes = max(0, free - after)
     return pool
@@ -254,8 +255,8 @@ def _warm_nccl(group: dist.ProcessGroup) -> None:
 
 
 def _free_bytes() -> int | None:
-    """Free device memory on the current CUDA device (None without one)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    """Free memory on the current CUDA device (None without one); initialises CUDA."""
+    if not torch.cuda.is_available():
         return None
     free, _ = torch.cuda.mem_get_info()
     return int(free)
