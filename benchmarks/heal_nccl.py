@@ -2,6 +2,7 @@
 
     python -m benchmarks.heal_nccl                 # 10 kills, 2 ranks per GPU pair (or on 1 GPU)
     python -m benchmarks.heal_nccl --kills 20 --bound   # WORLD bound to the device (device_id)
+    python -m benchmarks.heal_nccl --standby on    # every kill with standby groups (off: none)
 
 Each kill is a fresh world of spawned ranks (the store hosted by the launcher,
 as torchrun's agent hosts it), each on its GPU, or two on one GPU with a host id
@@ -16,6 +17,15 @@ latest survivor's detect, abort (its step raised), agree, re-form and first
 step, as ``benchmarks.heal`` prints for gloo; last,
 ``heal: median X s, max Y s over N kills (...)``.
 
+**Standby groups** (issue 45, :mod:`scopedmesh.mesh.standby`): with ``--standby
+both`` (the default) the kills alternate between worlds whose ranks form, before
+the kill and while they train, the groups the survivors will need
+(``prepare_standby(mesh, "dp")``) and worlds that form them after the death, as
+before; a summary line each, their ratio, and the standby groups' device memory
+(bytes per communicator, from ``torch.cuda.mem_get_info`` around their formation).
+Each standby survivor must have taken its healed group from the standby (a count,
+checked per kill).
+
 Needs ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` on the stock NCCL backend (the
 launcher sets it for its ranks; see docs/GPU.md). Two ranks on one GPU is a test
 rig for the library's logic, not an NCCL setup NVIDIA supports.
@@ -27,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -42,6 +53,7 @@ from benchmarks.heal_common import PHASES, Ranks, load, rank_reports, summary
 from scopedmesh import ProcessGroupMesh
 from scopedmesh.c10d.nccl import check_error_handling
 from scopedmesh.fault.liveness import LivenessWatch
+from scopedmesh.mesh.standby import prepare_standby
 
 NUMEL = 1 << 20  # 4 MiB of float32 per step
 # What every rank of a GPU world needs in its environment before torch makes an NCCL group.
@@ -118,6 +130,11 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     out: dict[str, Any] = {"steps": [], "events": []}
     watch = LivenessWatch(interval=0.02, timeout=60)
     mesh = watch.guard(ProcessGroupMesh(world, names=("dp",), backend=backend, timeout=60))
+    standby = None
+    if plan.get("standby"):  # the survivors' groups, formed now: before any death
+        mesh.get_group_along_axis("dp")
+        standby = prepare_standby(mesh, "dp")
+        out["standby"] = {"formed": standby.formed, "bytes_per_group": standby.bytes_per_group}
     Path(outdir, f"pid{rank}").write_text(str(os.getpid()))
     step, healed_at = 0, None
     while step < plan["steps"] or (
@@ -138,6 +155,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
             mesh = verdict.mesh
             mesh.get_group_along_axis("dp")
             event["reformed"] = time.time()
+            event["standby_taken"] = standby.taken if standby is not None else 0
             out["events"].append(event)
             healed_at = healed_at or event["raised"]
         if not verdict.committed:
@@ -193,7 +211,13 @@ def launch(plan: dict[str, Any], rng: random.Random, timeout: float = 300.0) -> 
             ranks.kill(victim)
             ranks.join()
         reports = rank_reports(outdir)
-    return {"victim": victim, "killed_at": killed_at, "delay": delay, "reports": reports}
+    return {
+        "victim": victim,
+        "killed_at": killed_at,
+        "delay": delay,
+        "reports": reports,
+        "standby": bool(plan.get("standby")),
+    }
 
 
 def check(kill: dict[str, Any]) -> None:
@@ -206,6 +230,9 @@ def check(kill: dict[str, Any]) -> None:
             continue
         if [e["lost"] for e in report["events"]] != [[victim]]:
             raise AssertionError(f"rank {rank} healed {report['events']}")
+        taken = report["events"][0].get("standby_taken", 0)
+        if taken != (1 if kill.get("standby") else 0):  # the healed dp group, formed ahead
+            raise AssertionError(f"rank {rank} took {taken} standby group(s): {report}")
         for step, value, members in report["steps"]:
             if value != (step + 1) * sum(m + 1 for m in members):
                 raise AssertionError(f"rank {rank} step {step}: {value} over {members}")
@@ -226,6 +253,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--bound", action="store_true", help="WORLD bound to the device")
     parser.add_argument("--out", type=Path, help="write every kill's figures here (JSON)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on the CPU, 2 ranks")
+    parser.add_argument(
+        "--standby",
+        choices=["on", "off", "both"],
+        default="both",
+        help="standby groups formed before the kill (both: kills alternate, off first)",
+    )
     return parser
 
 
@@ -253,27 +286,55 @@ def _report(args: argparse.Namespace, plan: dict[str, Any], where: str) -> int:
     """Run ``args.kills`` kills of ``plan`` and print the rows and the summary lines."""
     world = plan["world"]
     plan = {"steps": 40, "warm": 5, "window": 0.05, **plan}
+    chosen = getattr(args, "standby", "both")  # benchmarks.heal --backend nccl has no flag
+    modes = {"on": [True], "off": [False], "both": [False, True]}[chosen]
     rng = random.Random(args.seed)
     print(
-        f"{world}x1 (dp), {where}, {args.kills} kills, mesh timeout 60 s, torch "
-        f"{torch.__version__}, {load()}",
+        f"{world}x1 (dp), {where}, {args.kills} kills, standby {chosen}, mesh timeout 60 s, "
+        f"torch {torch.__version__}, {load()}",
         flush=True,
     )
-    print(f"{'kill':>4} {'rank':>4} " + " ".join(f"{p:>10}" for p in PHASES), flush=True)
-    rows, record = [], []
+    print(f"{'kill':>4} {'rank':>4} {'standby':>7} " + " ".join(f"{p:>10}" for p in PHASES))
+    rows: dict[bool, list[list[float]]] = {mode: [] for mode in modes}
+    per_group: list[int] = []
+    record = []
     for number in range(args.kills):
-        kill = launch(plan, rng)
+        standby = modes[number % len(modes)]
+        kill = launch({**plan, "standby": standby}, rng)
         check(kill)
         row = phases(kill)
-        rows.append(row)
-        record.append({"victim": kill["victim"], "delay": kill["delay"], "phases": row})
-        print(f"{number + 1:>4} {kill['victim']:>4} " + " ".join(f"{t:>10.3f}" for t in row))
-    print(f"{world}x1: {summary(rows)}; {load()}", flush=True)
+        rows[standby].append(row)
+        per_group += [
+            r["standby"]["bytes_per_group"]
+            for r in kill["reports"].values()
+            if r.get("standby", {}).get("bytes_per_group") is not None
+        ]
+        record.append(
+            {"victim": kill["victim"], "delay": kill["delay"], "standby": standby, "phases": row}
+        )
+        print(
+            f"{number + 1:>4} {kill['victim']:>4} {'on' if standby else 'off':>7} "
+            + " ".join(f"{t:>10.3f}" for t in row),
+            flush=True,
+        )
+    for mode in modes:
+        if rows[mode]:
+            label = "standby" if mode else "fresh"
+            print(f"{world}x1, {label}: {summary(rows[mode])}; {load()}", flush=True)
+    if len(modes) == 2 and rows[False] and rows[True]:
+        fresh = statistics.median(row[-1] for row in rows[False])
+        ready = statistics.median(row[-1] for row in rows[True])
+        print(f"standby vs fresh, median death to first step: {fresh / max(ready, 1e-9):.1f}x")
+    if per_group:
+        print(
+            f"standby memory: {max(per_group) / 2**20:.1f} MiB per communicator (max over "
+            f"ranks and kills; {len(per_group)} measured)"
+        )
     if args.out:
         args.out.write_text(
             json.dumps({"torch": torch.__version__, "where": where, "kills": record})
         )
-    print(f"heal: {summary(rows)}")
+    print(f"heal: {summary(rows[modes[-1]])}")
     return 0
 
 

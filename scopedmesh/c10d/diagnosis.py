@@ -70,6 +70,7 @@ __all__ = [
     "Liveness",
     "Request",
     "Stop",
+    "Subscribe",
     "Watch",
     "WatchedStore",
     "announcement_key",
@@ -193,6 +194,9 @@ def lost_error(
     )
 
 
+Subscribe = Callable[[Callable[[], None]], Callable[[], None]]  # subscribe(wake) -> cancel
+
+
 class Stop:
     """Why a formation must stop waiting now: asked between the slices of its waits.
 
@@ -201,6 +205,10 @@ class Stop:
     ``liveness`` (the watch guarding the mesh) knows a member is lost. Both
     answer from memory, so a slice costs one store request (the wait itself).
     ``group`` names the group in the error (``"the gloo group along axis 'tp' ..."``).
+    ``subscribe``, if given, is how a wait is woken instead of sliced:
+    ``subscribe(wake)`` has ``wake()`` called once whatever makes :meth:`why`
+    answer happens (the mesh's abort, which a lost member's watch makes), and
+    returns the call that cancels it (see :mod:`scopedmesh.c10d.barrier`).
     """
 
     def __init__(
@@ -211,9 +219,10 @@ class Stop:
         rank: int,
         liveness: Liveness | None = None,
         aborted: Callable[[], str] | None = None,
+        subscribe: Subscribe | None = None,
     ) -> None:
         self.store, self.group, self.ranks, self.rank = store, group, ranks, rank
-        self.liveness, self.aborted = liveness, aborted
+        self.liveness, self.aborted, self.subscribe = liveness, aborted, subscribe
 
     def why(self) -> RuntimeError | None:
         """The error to raise now, or None (wait on): a lost member is named first."""

@@ -36,12 +36,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from scopedmesh.c10d.barrier import all_formed
 from scopedmesh.c10d.diagnosis import (
     DEFAULT_GRACE,
     SLICE,
     Liveness,
     Request,
     Stop,
+    Subscribe,
     Watch,
     WatchedStore,
 )
@@ -51,7 +53,6 @@ from scopedmesh.c10d.nccl import unsplit as _unsplit
 from scopedmesh.c10d.store import (
     StoreUse,
     default_store,
-    formation_keys,
     generation_key,
     gloo_connects_eagerly,
     incarnation_keys,
@@ -211,6 +212,7 @@ def new_member_group(
     liveness: Liveness | None = None,
     store_use: StoreUse | None = None,
     aborted: Callable[[], str] | None = None,
+    on_abort: Subscribe | None = None,
     unsplit: bool = False,
 ) -> dist.ProcessGroup | None:
     """Make the group over ``ranks`` on its members only; ``None`` on other ranks.
@@ -232,7 +234,10 @@ def new_member_group(
     every wait of the formation, its barrier's too, asks it and ``liveness``
     between slices and stops with :class:`~scopedmesh.errors.MeshClosedError`
     (aborted) or ``GroupFormationError`` (a member lost), so that a death at
-    any moment of a formation releases the survivors. ``store_use`` decides whether the group forms over torch's store client or
+    any moment of a formation releases the survivors. ``on_abort(wake)`` has
+    ``wake()`` called when the mesh is aborted (and returns its cancel): the
+    formation barrier's wait is then one request, ended by the abort, not
+    sliced (:mod:`scopedmesh.c10d.barrier`). ``store_use`` decides whether the group forms over torch's store client or
     a clone of it (:class:`~scopedmesh.c10d.store.StoreUse`; None: a new one,
     in which every other thread of the process counts). ``unsplit``: never derive
     the group from WORLD's communicator, even where WORLD is bound to a device
@@ -262,6 +267,7 @@ def new_member_group(
         liveness=liveness,
         store_use=store_use or StoreUse(),
         aborted=aborted,
+        on_abort=on_abort,
         unsplit=unsplit,
     )
 
@@ -278,6 +284,7 @@ def _named_group(
     liveness: Liveness | None,
     store_use: StoreUse,
     aborted: Callable[[], str] | None,
+    on_abort: Subscribe | None,
     unsplit: bool,
 ) -> dist.ProcessGroup:
     """:func:`new_member_group` on the private path: a named incarnation, watched, then the
@@ -301,7 +308,7 @@ def _named_group(
     watch = None
     if backend_enum == dist.Backend.GLOO and gloo_connects_eagerly():  # rendezvous here: watch it
         watch = Watch(store, request, ranks, grace, group_timeout, liveness, aborted)
-    stop = Stop(store, request.group(), ranks, rank, liveness, aborted)
+    stop = Stop(store, request.group(), ranks, rank, liveness, aborted, on_abort)
     build = functools.partial(
         _construct,
         *(ranks, backend_enum, store, watch, name, group_timeout, description, pg_options),
@@ -325,7 +332,6 @@ def _named_group(
                 group_timeout,
                 str(backend_enum),
                 stop=stop,
-                grace=grace,
             )
         except Exception:
             destroy(group)
@@ -487,73 +493,18 @@ def _all_formed(
     backend: str,
     *,
     stop: Stop | None = None,
-    grace: timedelta = DEFAULT_GRACE,
 ) -> None:
     """Return once every member has finished forming incarnation ``name``; leave no key behind.
 
-    gloo's connectFullMesh can return on one member before a slower member has
-    finished its side of the handshake; a group destroyed in that window (say, a
-    mesh closed without using it) breaks the slower member's formation with
-    'Connection closed by peer' or 'Connect timeout'. Counting arrivals in the
-    store ends formation together on every member, as torch does only under
-    TORCH_DIST_INIT_BARRIER=1.
-
-    Each member arrives with one ``add`` once it has connected. The one that
-    brings the count to ``size`` arrives last: every member has connected, so
-    nobody reads the arrival counter or a gloo address again. It releases the
-    others by setting ``<name>/all-formed`` to 0 and deletes the counter. Every
-    member deletes its own gloo address once released (all in parallel, rather
-    than one member deleting them all in turn). The members that waited then
-    count their departure on ``all-formed`` itself: the one that brings it to
-    ``size - 1`` is the last reader, and deletes it. Store requests per
-    formation of ``n > 1`` members: ``4n + 1`` (arrivals ``n``, release 1, the
-    counter's delete 1, waits ``n - 1``, gloo addresses ``n``, departures
-    ``n - 1``, the release key's delete 1): every member makes 4 here, one of
-    them 5, and none deletes another's keys in turn.
-
-    The wait is watched (``stop``, see :class:`~scopedmesh.c10d.diagnosis.Stop`):
-    one request when the release comes within ``grace`` (in slices of
-    :data:`~scopedmesh.c10d.diagnosis.SLICE` under a liveness watch), then
-    slices; a member lost or the mesh aborted stops it (a member that died
-    between connecting and arriving would otherwise hold every other one for
-    the whole ``timeout``). A member that stops or times out deletes its own
-    gloo address; the barrier's two keys stay (a late member may still read them).
+    The formation barrier (:func:`scopedmesh.c10d.barrier.all_formed`): each
+    member arrives with one ``add``, the last releases the others with one
+    ``set``, each waiter is woken once; an abort (``stop``) ends every wait at
+    once. Each member then deletes its own gloo address (all in parallel, rather
+    than one member deleting them all in turn). Store requests per formation of
+    ``n > 1`` members on gloo: ``4n + 1``; every member makes 4 here or fewer, the last to
+    leave 5.
     """
-    own = own_keys(name, group_rank, backend)
-    if size > 1:
-        formed, released = formation_keys(name)
-        if store.add(formed, 1) == size:  # the last to arrive: nobody waits for it
-            store.set(released, "0")
-            store.delete_key(formed)
-        else:
-            try:
-                _wait_released(store, released, timeout, stop, grace)
-            except Exception:
-                with contextlib.suppress(RuntimeError):  # the store may be what failed
-                    for key in own:
-                        store.delete_key(key)
-                raise
-            if store.add(released, 1) == size - 1:  # the last of those that waited to leave
-                own.append(released)
-    for key in own:
-        store.delete_key(key)
-
-
-def _wait_released(
-    store: c10d.Store, released: str, timeout: timedelta, stop: Stop | None, grace: timedelta
-) -> None:
-    """Wait for the barrier's release key: one request without ``stop``, else watched slices."""
-    if stop is None:
-        store.wait([released], timeout)
-        return
-    first = SLICE if stop.liveness is not None else grace.total_seconds()
-    deadline = time.monotonic() + timeout.total_seconds()
-    if not stop.wait(store, [released], deadline, first):
-        raise GroupFormationError(
-            f"could not form {stop.group} within {timeout}: every member connected, but not "
-            "every member arrived at the formation barrier after it (a member died or stopped "
-            "between the two)"
-        )
+    all_formed(store, name, size, timeout, own_keys(name, group_rank, backend), stop)
 
 
 def live_groups() -> Mapping[dist.ProcessGroup, object]:

@@ -50,6 +50,7 @@ __all__ = [
     "deadlock_key",
     "default_store",
     "formation_keys",
+    "formation_stop_key",
     "generation_key",
     "gloo_address_key",
     "gloo_connects_eagerly",
@@ -203,6 +204,15 @@ def gloo_address_key(name: str, group_rank: int) -> str:
 def formation_keys(name: str) -> tuple[str, str]:
     """The formation barrier's keys of incarnation ``name``: arrivals, and the release."""
     return f"{name}/formed", f"{name}/all-formed"
+
+
+def formation_stop_key(name: str) -> str:
+    """Why the formation barrier of incarnation ``name`` was stopped (written only then).
+
+    >>> formation_stop_key("g-1")
+    'g-1/formation-stopped'
+    """
+    return f"{name}/formation-stopped"
 
 
 def own_keys(name: str, group_rank: int, backend: str) -> list[str]:

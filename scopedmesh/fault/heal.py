@@ -49,13 +49,18 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
     place (they shared a dropped slice with a lost rank) get ``LostRankError``
     after ``mesh`` is closed: they sit out of the new mesh. The new mesh's
     groups never derive from WORLD's communicator, which holds the lost ranks
-    (on NCCL they form by their own init over the store, see docs/GPU.md).
+    (on NCCL they form by their own init over the store, see docs/GPU.md), unless
+    they were formed before the death (:func:`~scopedmesh.mesh.standby.prepare_standby`):
+    the standby groups of ``mesh`` pass to the new mesh, whose requests take them.
     """
     if not isinstance(mesh, ProcessGroupMesh):
         raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
     layout = shrink(mesh.layout, lost, axis)
+    standby, mesh._table.standby = mesh._table.standby, None  # formed ahead: for the survivors
     mesh.close()
     if mesh.rank not in layout:
+        if standby is not None:
+            standby.close()
         raise LostRankError(
             f"rank {mesh.rank} shares a dropped slice of axis {mesh.layout.axis_name(axis)!r} "
             f"with a lost rank; the survivors' mesh is {list(layout.ranks)}"
@@ -64,6 +69,7 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
         layout, backend=mesh.backend, timeout=mesh.timeout, pg_options=mesh.pg_options
     )
     healed._table.fresh_communicators = True  # WORLD holds the lost ranks: never split from it
+    healed._table.standby = standby  # its requests take these (scopedmesh.mesh.standby)
     return healed
 
 

@@ -15,11 +15,12 @@ hands an entry back to :meth:`GroupTable.release` once no scope holds it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -52,6 +53,18 @@ class Entry:
         self.holds = 0
 
 
+class StandbyPool(Protocol):
+    """Groups formed ahead of a death (:class:`scopedmesh.mesh.standby.Standby`)."""
+
+    def take(self, key: GroupKey) -> dist.ProcessGroup | None:
+        """The group for ``key``, now the caller's, or None."""
+        ...
+
+    def close(self) -> None:
+        """Release every group held."""
+        ...
+
+
 class GroupTable:
     """The registry, lock and formation shared by a mesh and all its sub-meshes.
 
@@ -69,12 +82,15 @@ class GroupTable:
     ``fresh_communicators`` says that the table's groups must not derive from
     WORLD's communicator (a healed mesh's: WORLD holds the lost ranks), so
     they form by their own init over the store (:func:`scopedmesh.c10d.nccl.unsplit`).
+    ``standby`` holds groups formed ahead of a death (:mod:`scopedmesh.mesh.standby`):
+    a request whose group is there takes it instead of forming one.
     """
 
     __slots__ = (
         "_adopted",
         "_entries",
         "_recorded",
+        "_wakers",
         "abort_failures",
         "aborted",
         "fresh_communicators",
@@ -83,12 +99,14 @@ class GroupTable:
         "liveness",
         "lock",
         "ordered",
+        "standby",
         "store_use",
     )
 
     def __init__(self, grace: timedelta | None = None) -> None:
         self._entries: dict[GroupKey, Entry] = {}
         self._adopted: list[dist.ProcessGroup] = []  # groups torch made for the table's scopes
+        self._wakers: list[Callable[[], None]] = []  # formations' waits that an abort ends
         self._recorded = False  # whether this rank's process record is in the store
         self.grace = grace  # how long a member waits before it tells its peers what it waits for
         self.liveness: Liveness | None = None
@@ -99,6 +117,7 @@ class GroupTable:
         self.live: Mapping[dist.ProcessGroup, object] = _c10d.live_groups()
         self.ordered = _c10d.keeps_member_order()
         self.store_use = StoreUse()  # whether a formation clones torch's store client
+        self.standby: StandbyPool | None = None  # groups formed ahead for this table's requests
         self._record()
 
     def _record(self) -> None:
@@ -150,6 +169,11 @@ class GroupTable:
         holds :attr:`lock`.
         """
         ranks, backend = key
+        ready = self.standby.take(key) if self.standby is not None else None
+        if ready is not None:  # formed before the death: nothing forms now
+            entry = Entry(key, ready, options)
+            self._entries[key] = entry
+            return entry
         try:
             if not self._recorded and len(ranks) > 1 and backend != "fake":
                 _c10d.record_process()  # once per table: peers can tell if this rank dies
@@ -165,6 +189,7 @@ class GroupTable:
                 liveness=self.liveness,
                 store_use=self.store_use,
                 aborted=self._why_aborted,
+                on_abort=self.on_abort,
                 unsplit=self.fresh_communicators,
             )
         except (GroupFormationError, MeshClosedError):  # diagnosed, or aborted while it formed
@@ -182,6 +207,21 @@ class GroupTable:
     def _why_aborted(self) -> str:
         """Why the table was aborted (``""`` while it is not): what a formation asks."""
         return self.aborted
+
+    def on_abort(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call ``wake()`` at the next :meth:`abort` (a formation's wait ends then, from the
+        aborting thread); returns the call that cancels it. Safe from any thread.
+
+        ``wake`` is called only by an abort that sets :attr:`aborted` after this call; one
+        that set it before is seen by the caller's next look at :attr:`aborted`.
+        """
+        self._wakers.append(wake)
+
+        def cancel() -> None:
+            with contextlib.suppress(ValueError):  # the abort took it already
+                self._wakers.remove(wake)
+
+        return cancel
 
     def abort(self, because: str) -> None:
         """Refuse every group of the table from now on; shut down or abort the groups it has.
@@ -210,6 +250,12 @@ class GroupTable:
             entry.alive = False  # the mesh's cached lookups go the slow way, which refuses
         held = [entry.group for entry in entries if entry.group is not None]
         self.abort_failures += _interrupt([*held, *list(self._adopted)], self.aborted)
+        wakers, self._wakers[:] = list(self._wakers), []
+        for wake in wakers:  # the formations waiting now: each ends every member's wait
+            try:
+                wake()
+            except Exception as error:  # kept like a group's: the other wakers still run
+                self.abort_failures.append(error)
 
     def adopt(self, group: dist.ProcessGroup) -> None:
         """Shut ``group`` (made by torch for a scope of this table: a DeviceMesh's ``_flatten``

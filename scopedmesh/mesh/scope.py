@@ -158,6 +158,9 @@ class Scope:
                 if entry.holds == 0:
                     unheld.append(entry)
             errors += self.table.release(unheld)
+            if self.parent is None and self.table.standby is not None:  # the root: nobody else
+                standby, self.table.standby = self.table.standby, None  # (reform took it first)
+                standby.close()
             if self.bound:
                 from scopedmesh.c10d.device_mesh import forget_closed_meshes  # loaded already
 

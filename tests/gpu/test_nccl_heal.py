@@ -42,6 +42,28 @@ def test_sigkill_at_random_moments_survivors_heal_and_train_on(bound: bool) -> N
         print("phases (s):", [round(t, 3) for t in heal_nccl.phases(kill)])
 
 
+def test_standby_groups_formed_before_the_kill_serve_the_heal() -> None:
+    """Issue 45 item 3: each rank forms the survivors' dp groups before the kill
+    (``prepare_standby``, warmed by a one-element all_reduce). The launcher SIGKILLs a
+    random rank, KILLS times; every survivor takes its healed group from the standby
+    (heal_nccl.check counts it), trains on with the right sums, and the standby
+    communicators' device memory is counted (bytes per communicator, printed)."""
+    rng = random.Random(45)
+    for _ in range(KILLS):
+        kill = heal_nccl.launch(_plan(standby=True), rng, timeout=120)
+        heal_nccl.check(kill)
+        for rank, report in kill["reports"].items():
+            assert report["standby"]["formed"] == heal_nccl.world_size() - 1, (rank, report)
+            assert report["standby"]["bytes_per_group"] is not None, (rank, report)
+        per_group = [r["standby"]["bytes_per_group"] for r in kill["reports"].values()]
+        print(
+            "phases (s):",
+            [round(t, 3) for t in heal_nccl.phases(kill)],
+            "standby MiB per communicator:",
+            [round(b / MiB, 1) for b in per_group],
+        )
+
+
 @pytest.mark.slow
 def test_a_healed_survivor_outlives_torchs_watchdog() -> None:
     """torch's watchdog ends a process about 60 s after it saw an NCCL error, unless

@@ -1,9 +1,11 @@
 """Stand-ins for NCCL on the CPU: a registered Python backend that records every abort,
 and (below) a working stand-in for ``ProcessGroupNCCL`` that Replicas' dp groups use.
 
-Each group of the ``nccl_double`` backend is a :class:`RecordingGroup`. Its
+Each group of the ``nccl_double`` backend is a :class:`RecordingGroup`, its making
+logged (``made``: one communicator's init). Its
 ``_get_backend(cuda)`` answers with a stand-in for ``ProcessGroupNCCL`` that has
-``_group_start`` / ``_group_end`` (NCCL's group call), and its collectives stay
+``_group_start`` / ``_group_end`` (NCCL's group call; none with ``Log.group_call``
+False, as torch 2.14+'s ``nccl2``), and its collectives stay
 in flight until the group is aborted, then fail, as a collective on an
 aborted NCCL communicator raises ``DistBackendError``. Every event goes to the
 :class:`Log` given as the group's ``pg_options``, with the thread it ran on.
@@ -31,6 +33,7 @@ class Log:
         self._lock = threading.Lock()
         self._timeout: timedelta | None = None  # read by DeviceMesh as backend options
         self.looks_done = False  # whether an aborted collective looks done, as on NCCL
+        self.group_call = True  # False: no NCCL group call, as torch 2.14+'s nccl2 has none
 
     def add(self, what: str, name: str) -> None:
         with self._lock:
@@ -121,7 +124,7 @@ class RecordingGroup(dist.ProcessGroup):
         return PendingWork(self._aborted)
 
     def _get_backend(self, device: torch.device) -> Any:
-        if device.type == "cuda":
+        if device.type == "cuda" and self._log.group_call:
             return self._call
         raise RuntimeError(f"no backend for {device}")
 
@@ -148,6 +151,7 @@ class RecordingGroup(dist.ProcessGroup):
 def _make(options: Any, log: Any) -> RecordingGroup:
     if not isinstance(log, Log):
         raise TypeError(f"the {BACKEND} backend needs a Log as pg_options, got {log!r}")
+    log.add("made", str(options.group_id))  # one communicator's init, as NCCL would pay it
     return RecordingGroup(options.group_rank, options.group_size, log)
 
 

@@ -72,7 +72,7 @@ def aborted_from_the_watch(rank: int, world: int) -> dict[str, Any] | None:
     if rank == VICTIM:
         wait_for(lambda: False, 60, "the SIGKILL")  # killed while it waits
     wait_for(lambda: ("group_end", "") in [e[:2] for e in log.copy()], 30, "the abort")
-    events = log.copy()
+    events = [event for event in log.copy() if event[0] != "made"]  # the abort's alone
     threads = {watch._thread.ident, watch._waiter.ident}  # the ring's, the store's
     out: dict[str, Any] = {
         "events": [what for what, _, _ in events],
@@ -94,6 +94,65 @@ def aborted_from_the_watch(rank: int, world: int) -> dict[str, Any] | None:
         out["kept"][what] = [work.is_completed(), work.is_success(), waited]
     mesh.close()
     view.close()
+    watch.close()
+    return out
+
+
+def healed_from_standby(rank: int, world: int, group_call: bool) -> dict[str, Any] | None:
+    """A guarded mesh of 4 along dp on the double; each rank prepares the standby groups
+    for the loss of any one rank (3 groups of 3 each), then rank 3 is SIGKILLed. The
+    survivors heal (``watch.heal``) and ask for their dp group. Returns the counts:
+    communicators made before and during the heal, what the abort touched, whether
+    the healed group is the standby one. ``group_call`` False: the double has no NCCL
+    group call (torch 2.14+'s ``nccl2``), so the abort goes group by group."""
+    from scopedmesh.mesh.standby import prepare_standby
+
+    register()
+    store = _c10d.default_store()
+    store.set(f"nccl/{rank}/pid", str(os.getpid()))
+    log = Log()
+    log.group_call = group_call
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    mesh = watch.guard(ProcessGroupMesh(world, names=("dp",), backend=BACKEND, pg_options=log))
+    mesh.get_group_along_axis("dp")
+    made = lambda: sum(1 for what, _, _ in log.copy() if what == "made")  # noqa: E731
+    standby = prepare_standby(mesh, "dp")
+    names = dist.distributed_c10d._world.pg_names
+    survivors = tuple(r for r in range(world) if r != VICTIM)
+    ready = standby._groups.get((survivors, BACKEND))
+    prepared = {"made": made(), "groups": standby.groups, "formed": standby.formed}
+    if rank == 0:
+        threading.Thread(target=_kill_from_outside, args=(store, VICTIM), daemon=True).start()
+    store.add("nccl/ready", 1)
+    if rank == VICTIM:
+        wait_for(lambda: False, 60, "the SIGKILL")  # killed while it waits
+    wait_for(lambda: mesh.aborted != "", 30, "the abort")
+    standby_names = {names[g] for g in standby._groups.values()}
+    before_heal = made()
+    healed = watch.heal(mesh, "dp", tag="standby")
+    group = healed.get_group_along_axis("dp")
+    out: dict[str, Any] = {
+        "prepared": prepared,
+        "made_in_heal": made() - before_heal,
+        "healed_ranks": healed.get_ranks_in_group(group) if group is not None else None,
+        "is_standby": group is ready and ready is not None,
+        "taken": standby.taken,
+        "left": standby.groups,
+        "standby_aborted": sorted(
+            name for what, name, _ in log.copy() if what == "abort" and name in standby_names
+        ),
+        "group_calls": sum(1 for what, _, _ in log.copy() if what == "group_start"),
+    }
+    # Ready for the next death, off the critical path: the groups for losing any one of the
+    # 3 survivors (2 of 2 on each); the 2 left from before (each holds rank 3) are released.
+    left = sorted(names[g] for g in standby._groups.values())
+    before = made()
+    again = prepare_standby(healed, "dp")
+    out["again"] = [made() - before, again.formed, again.groups, standby.groups]
+    aborted = [name for what, name, _ in log.copy() if what == "abort" and name in standby_names]
+    out["released"] = sorted(aborted) == left and len(left) == 2
+    healed.close()  # the standby groups go with it
+    out["left_after_close"] = again.groups
     watch.close()
     return out
 

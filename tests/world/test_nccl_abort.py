@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import _workers_nccl as workers
 
-from benchmarks import heal_nccl
+from benchmarks import heal_nccl, nccl_reform
 from scopedmesh.testing import run_world
 
 
@@ -58,14 +58,55 @@ def test_a_healed_meshs_groups_never_split_from_a_bound_world() -> None:
         assert out["bound_after"] == "cuda:0", out
 
 
+@pytest.mark.fault  # a world of 4 twice: about 20 s on 2 cores
+@pytest.mark.parametrize("group_call", [True, False], ids=["nccl", "nccl2"])
+def test_a_heal_takes_the_standby_group_and_forms_no_communicator(group_call: bool) -> None:
+    """Issue 45 item 3, on the double. A guarded mesh of 4 along dp; every rank prepares the
+    standby groups for the loss of any one rank (``prepare_standby``: 3 groups of 3 on each
+    rank, one communicator init each). Rank 3 is SIGKILLed: the watch aborts the mesh's
+    group but none of the standby ones, and the survivors' heal takes their group from
+    the standby: no communicator is made between the death and the healed dp group. Then,
+    off the critical path, the healed mesh prepares its own standby: the groups left (each
+    holds rank 3) are released, and the new ones go when the healed mesh closes. ``nccl2``: the double
+    without NCCL's group call, as torch 2.14+'s ``nccl2``: the same, aborted group by group."""
+    results = run_world(
+        workers.healed_from_standby, 4, args=(group_call,), allow_exit=[workers.VICTIM], timeout=240
+    )
+    assert results[workers.VICTIM] is None
+    for rank in (0, 1, 2):
+        out = results[rank]
+        assert out["prepared"] == {"made": 1 + 3, "groups": 3, "formed": 3}, out  # dp + standby
+        assert out["made_in_heal"] == 0, out
+        assert out["is_standby"] is True and out["healed_ranks"] == [0, 1, 2], out
+        assert (out["taken"], out["left"], out["left_after_close"]) == (1, 2, 0), out
+        assert out["standby_aborted"] == [], out  # the abort left the standby groups alone
+        assert out["group_calls"] == (1 if group_call else 0), out
+        # prepared again on the healed mesh: 2 groups of 2, the 2 left from before released
+        assert out["again"] == [2, 2, 2, 0] and out["released"] is True, out
+
+
 @pytest.mark.fault
 def test_the_nccl_heal_benchmark_dry_run_on_gloo_heals_with_the_right_sums() -> None:
     """benchmarks/heal_nccl.py's rank code and launcher on the CPU (gloo): the launcher
     SIGKILLs a random rank of 2 at a random moment; the survivor heals, trains on, and
-    every step sums its members (heal_nccl.check). Its NCCL parts run on a GPU host only."""
+    every step sums its members (heal_nccl.check). Its NCCL parts run on a GPU host only.
+    The second kill's world forms its standby groups first: its survivor takes its healed
+    group from them (heal_nccl.check counts it)."""
     rng = random.Random(33)
     plan = {"world": 2, "backend": "gloo", "steps": 40, "warm": 5, "window": 0.05}
-    for _ in range(2):
-        kill = heal_nccl.launch(plan, rng, timeout=240)
+    for standby in (False, True):
+        kill = heal_nccl.launch({**plan, "standby": standby}, rng, timeout=240)
         heal_nccl.check(kill)
         assert len(heal_nccl.phases(kill)) == len(heal_nccl.PHASES)
+
+
+@pytest.mark.fault  # two worlds of 2 ranks: about 10 s on 2 cores
+def test_the_reform_paths_benchmark_dry_run_takes_the_standby_group() -> None:
+    """benchmarks/nccl_reform.py on the CPU (gloo): the survivor of a 2-rank mesh re-forms
+    it without the last rank, by a fresh group (none taken) and from the standby (its one
+    group taken); each world gives a time. Its NCCL paths run on a GPU host only."""
+    fresh = nccl_reform.one_world("fresh", 2, "gloo")
+    ready = nccl_reform.one_world("standby", 2, "gloo")
+    assert "problem" not in fresh and "problem" not in ready, (fresh, ready)
+    assert (fresh["taken"], ready["taken"]) == ([0], [1]), (fresh, ready)
+    assert fresh["seconds"] > 0 and ready["seconds"] > 0
