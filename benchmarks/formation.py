@@ -19,7 +19,7 @@ process record at the mesh's making), ``new_member_group`` (the generation count
 registry and destruction, per member. One torch ``HashStore`` that every member's
 requests reach (the counts do not depend on the kind of store; a ``TCPStore`` would
 need a connection per member, and the server's reverse DNS lookup of each,
-docs/healing.md "The 5 s outliers").
+docs/measured.md "The 5 s outliers").
 
 **Stood in for:**
 

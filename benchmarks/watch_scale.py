@@ -21,7 +21,7 @@ ring sockets and threads, and no process group. Per size, one row:
   member, and whether every member decided the same lost set, the one killed.
 
 torch's store server looks up each new client in DNS on its one thread (5 s
-when the resolver drops the query: docs/healing.md, "The 5 s outliers"), and a
+when the resolver drops the query: docs/measured.md, "The 5 s outliers"), and a
 harness opens thousands of clients at once. Run as root where ``unshare`` is
 available, the benchmark re-runs itself in a mount namespace whose resolver
 answers at once (``--resolver system`` keeps the machine's).

@@ -13,7 +13,7 @@ is NCCL's, not ours: its kernel exits early, and ``wait()`` and
 the buffer (the work handle is torch's, not wrapped as a gloo group's is). So
 the abort is a state to read, not an error to wait for: ``LivenessWatch.step``
 synchronises, reads the mesh's abort state and votes, and a step an abort
-touched never counts (docs/healing.md, "One verdict per step").
+touched never counts (docs/step.md).
 
 A healed mesh's groups must not derive from a communicator that holds a lost
 rank. With WORLD bound to a device (``init_process_group(device_id=...)``)

@@ -129,7 +129,7 @@ class StoreUse:
     Why not always clone: torch's store server looks up every new client
     connection's peer in DNS, on the one thread that serves every request;
     where the resolver loses the query, every rank's store requests wait its
-    5 s timeout (docs/healing.md, "The 5 s outliers"). A formation under a
+    5 s timeout (docs/measured.md, "The 5 s outliers"). A formation under a
     watch (a heal) therefore opens no connection; a process with threads of
     its own still pays one per formation.
 

@@ -27,7 +27,7 @@ from scopedmesh.c10d import closable  # noqa: E402
 from scopedmesh.layout import MeshLayout  # noqa: E402
 
 # Aborting a collective in flight needs closable gloo groups, which torch 2.9 cannot
-# make (docs/healing.md, "Releases"): there a blocked collective ends at its timeout.
+# make (docs/limits.md, "Releases"): there a blocked collective ends at its timeout.
 needs_interrupt = pytest.mark.skipif(
     not closable.supported(),
     reason="this torch cannot make closable gloo groups: a collective in flight is not aborted",
