@@ -34,6 +34,7 @@ torchtitan's device fallback, FlexAttention's missing CPU backward, FSDP2's
 from __future__ import annotations
 
 import hashlib
+import math
 import io
 import json
 import os
@@ -66,6 +67,7 @@ __all__ = [
 ]
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
+IDLE_PACE = 0.1  # seconds: an idle step's pause (ReplicasSection.finish_wait)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,6 +89,10 @@ class ReplicasSection:
     """The cross-replica groups' backend, gloo or nccl ("": SCOPEDMESH_BACKEND, else gloo)."""
     timeout: float = 60.0
     """Seconds any wait of the replicas may take (joining, a heal, a state transfer)."""
+    finish_wait: float = 0.0
+    """Seconds the job may wait at its last step for every replica to be back (idle
+    steps of ``IDLE_PACE`` seconds that change nothing), so that a replica restarting
+    then ends with the others (0: the job ends with the replicas it has)."""
     report_folder: str = ""
     """Where each rank writes, at the end, what it trained ("": nowhere): the steps and
     their contributors, a digest of its registered state, the first epoch's weights."""
@@ -352,6 +358,8 @@ def _resolved(section: ReplicasSection) -> ReplicasSection:
         raise ValueError(f"scopedmesh.backend must be 'gloo' or 'nccl', got {backend!r}")
     if not section.timeout > 0:
         raise ValueError(f"scopedmesh.timeout must be a positive number, got {section.timeout}")
+    if not section.finish_wait >= 0:
+        raise ValueError(f"scopedmesh.finish_wait must be >= 0, got {section.finish_wait}")
     return ReplicasSection(
         enable=section.enable,
         replica=replica,
@@ -359,6 +367,7 @@ def _resolved(section: ReplicasSection) -> ReplicasSection:
         job_store=store,
         backend=backend,
         timeout=float(section.timeout),
+        finish_wait=float(section.finish_wait),
         report_folder=section.report_folder,
     )
 
@@ -392,6 +401,7 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         self._rebuild_dataloader()
         self.data = DataStream(self.dataloader, self.batch_generator)
         self.history: list[tuple[int, tuple[int, ...], float]] = []
+        self.idle_steps = 0  # agreed idle steps at the end (finish_wait)
         self.batches_per_step = (
             self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
         )
@@ -427,6 +437,7 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         state = {"step": self.step, "ntokens_seen": self.ntokens_seen}
         if self.config.scopedmesh.enable:
             state["data_position"] = self.data.position
+            state["idle_steps"] = self.idle_steps
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -435,6 +446,7 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         if self.config.scopedmesh.enable:
             default = self.step * self.batches_per_step
             self.data.seek(int(state_dict.get("data_position", default)))
+            self.idle_steps = int(state_dict.get("idle_steps", 0))
 
     def registered(self) -> dict[str, Any]:
         """What a joiner receives: what torchtitan's checkpoint holds, and the RNG."""
@@ -481,11 +493,15 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
                 except JobFinishedError as error:
                     logger.info(f"scopedmesh: {error}")
                     return
-                if first and section.report_folder and decision.source == section.replica:
+                if first and section.report_folder and decision.source == section.replica and not self.step:
                     self._report_weights(Path(section.report_folder))
                 first = False
                 self.gc_handler.run(self.step + 1)
                 if self.step >= config.training.steps:
+                    waits = math.ceil(section.finish_wait / IDLE_PACE)
+                    if grow.size < section.replicas and self.idle_steps < waits:
+                        self._replicated_step(grow, idle=True)  # an admission may come
+                        continue
                     if grow.finish():
                         break
                     continue
@@ -497,11 +513,23 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
                 self._report(Path(section.report_folder), grow, state, started)
         logger.info("Training completed")
 
-    def _replicated_step(self, grow: Any) -> bool:
+    def _replicated_step(self, grow: Any, *, idle: bool = False) -> bool:
         """One step; True if it was committed. Until the verdict nothing registered
-        moves but the tokens seen, put back if the step is not committed."""
+        moves but the tokens seen, put back if the step is not committed.
+
+        ``idle``: the job is done and waits for a replica (``finish_wait``): zeros
+        instead of gradients, nothing applied. A joiner caught up by an idle
+        source finds the step count at its end and applies nothing either.
+        """
+        tokens_before = self.ntokens_seen  # the forward adds this step's
+        params = [p for part in self.model_parts for p in part.parameters()]
+        if idle:
+            tensors = [torch.zeros_like(local(p)) for p in params]
+            if grow.all_reduce_([*tensors, torch.zeros(2, device=self.device)]):
+                self.idle_steps += 1
+            time.sleep(IDLE_PACE)
+            return False
         parallel_dims = self.parallel_dims
-        tokens_before = self.ntokens_seen
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         lr_metrics = self.lr_schedulers.get_metrics()
         batches = self.data.take(self.batches_per_step)
@@ -527,16 +555,22 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             accumulated += loss.detach().reshape(()).to(accumulated.dtype)
         local_avg = accumulated * global_valid_tokens / local_valid_tokens.to(self.device)
         shown_losses = torch.stack([accumulated, local_avg.reshape(())]).float()
-        grads = [
-            local(p.grad) for part in self.model_parts for p in part.parameters() if p.grad is not None
-        ]
-        if not grow.all_reduce_([*grads, shown_losses]):
-            self.ntokens_seen = tokens_before
+        for p in params:
+            if p.grad is None:  # every member sends the same tensors
+                p.grad = torch.zeros_like(p)
+        # The counters a joiner receives are those before the step (the step's tokens
+        # are the same on every replica): they move on commit.
+        tokens, self.ntokens_seen = self.ntokens_seen - tokens_before, tokens_before
+        if not grow.all_reduce_([*(local(p.grad) for p in params), shown_losses]):
+            return False
+        if self.step >= self.config.training.steps:  # caught up by an idle source
+            self.idle_steps += 1
             return False
         self.step += 1
+        self.ntokens_seen += tokens
         self.data.commit(self.batches_per_step)
         grad_norm = dist_utils.clip_grad_norm_(
-            [p for part in self.model_parts for p in part.parameters()],
+            params,
             self.config.training.max_norm,
             foreach=True,
             pp_mesh=parallel_dims.get_optional_mesh("pp"),
