@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_backend, check_timeout
 from scopedmesh.errors import shown
+from scopedmesh.launch.store import host_job_store
 from scopedmesh.layout.ints import is_int
 from scopedmesh.testing.world import START_METHODS, WARM_MODULES
 
@@ -122,13 +123,7 @@ def host_store(init_timeout: float) -> Any:
     As torchrun's agent does: a rank that finishes first and exits must not take
     the store away from slower ranks, so no rank hosts it.
     """
-    return dist.TCPStore(  # type: ignore[attr-defined]  # public; not in torch's stub exports
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=init_timeout),
-    )
+    return host_job_store("127.0.0.1", 0, init_timeout)
 
 
 def join_world(

@@ -6,7 +6,9 @@ world of ``local`` ranks with a store of its own, as one torchrun agent per
 replica would (``--max-restarts``). When a rank of a replica ends without
 reporting, its other ranks are killed and the replica starts again as a fresh
 world; every rank calls ``fn(replica, coordinate, job_port, *args)`` and its
-result is kept by (replica, coordinate). Ranks fork from the warm server of
+result is kept by (replica, coordinate). Each rank also gets the variables
+``scopedmesh replicas`` gives its workers, so ``fn`` may call
+:func:`~scopedmesh.launch.job_from_environment` instead of using ``job_port``. Ranks fork from the warm server of
 :func:`~scopedmesh.testing.launcher.world_context`.
 
 >>> ReplicaJob(print, replicas=0, local=2)
@@ -30,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scopedmesh.errors import JobMismatchError, NoLiveReplicaError, shown
+from scopedmesh.launch.environment import worker_environment
 from scopedmesh.layout.ints import is_int
 from scopedmesh.testing.launcher import adopt_environment, host_store, join_world, world_context
 
@@ -166,13 +169,19 @@ class ReplicaJob:
         world = host_store(60.0)
         self._worlds[replica] = world
         procs: list[BaseProcess] = []
+        env = dict(os.environ)
+        env.update(
+            worker_environment(
+                f"127.0.0.1:{self.port}", replica=replica, replicas=self.replicas, backend="gloo"
+            )
+        )
         for coordinate in range(self.local):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
                 args=(
                     self.fn, replica, coordinate, self.local, world.port, self.store.port,
-                    self.args, dict(os.environ), writer,
+                    self.args, env, writer,
                 ),
                 name=f"replica{replica}-rank{coordinate}",
                 daemon=True,

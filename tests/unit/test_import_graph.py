@@ -2,7 +2,7 @@
 
 Bottom to top (docs/ARCHITECTURE.md): ``errors``, ``layout/`` (pure), ``c10d/``
 (the torch boundary), ``mesh/``, ``fault/`` (the liveness watch, heal, replicas),
-``interop/`` (optional integrations, leaves),
+``interop/`` (optional integrations, leaves), ``launch/`` (the launcher of replicated jobs),
 ``plan/`` (pure), ``testing/``, then the public face (``__init__`` and ``__main__``).
 A module imports only from its own layer or below; a module this test cannot
 place fails it. Every ``import`` statement counts, including those inside
@@ -21,7 +21,18 @@ import scopedmesh
 PACKAGE = Path(scopedmesh.__file__).resolve().parent
 
 # Folders (and the one module that is a layer by itself), bottom to top.
-LAYERS = ("errors", "layout", "c10d", "mesh", "fault", "interop", "plan", "testing", "public")
+LAYERS = (
+    "errors",
+    "layout",
+    "c10d",
+    "mesh",
+    "fault",
+    "interop",
+    "launch",
+    "plan",
+    "testing",
+    "public",
+)
 TORCH_FREE = frozenset({"errors", "layout", "plan"})
 
 
