@@ -41,7 +41,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,8 @@ from torchtitan.trainer import Trainer
 
 from scopedmesh.errors import JobFinishedError, shown
 from scopedmesh.interop.torchtitan import check_torchtitan_version
+from scopedmesh.launch.environment import parse_address
+from scopedmesh.launch.store import connect_store
 
 __all__ = [
     "DataStream",
@@ -350,9 +351,7 @@ def _resolved(section: ReplicasSection) -> ReplicasSection:
     if not 0 <= replica < replicas:
         raise ValueError(f"scopedmesh.replica must be in 0..{replicas - 1}, got {replica}")
     store = section.job_store or env("SCOPEDMESH_JOB_STORE")
-    host, _, port = store.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"scopedmesh.job_store must be HOST:PORT, got {store!r}")
+    parse_address(store, "scopedmesh.job_store")
     backend = section.backend or os.environ.get("SCOPEDMESH_BACKEND") or "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"scopedmesh.backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -472,10 +471,7 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             f"scopedmesh: replica {section.replica} of {section.replicas}, step {self.step}"
             + (f"; on CPU: {', '.join(self.cpu_shims)}" if self.cpu_shims else "")
         )
-        host, _, port = section.job_store.rpartition(":")
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            host, int(port), is_master=False, timeout=timedelta(seconds=section.timeout)
-        )
+        store = connect_store(*parse_address(section.job_store, "scopedmesh.job_store"), section.timeout)
         state = self.registered()
         started = time.time()
         with Replicas(
@@ -605,19 +601,21 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
 
     # ---------------------------------------------------------------- the report
 
-    def _report_weights(self, folder: Path) -> None:
-        """The first epoch's weights, gathered (a collective on the replica's group, on
-        the loop's thread): what every replica starts from."""
+    def _report_weights(self, folder: Path, name: str = "initial_weights.pt") -> None:
+        """The weights, gathered (a collective on the replica's group, on the loop's
+        thread): at the first epoch's source, what every replica starts from."""
         from torch.distributed.tensor import DTensor
 
         full = {}
-        for name, value in Params(self.model_parts).state_dict().items():
-            full[name] = value.full_tensor() if isinstance(value, DTensor) else value.clone()
+        for key, value in Params(self.model_parts).state_dict().items():
+            full[key] = value.full_tensor() if isinstance(value, DTensor) else value.clone()
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            torch.save(full, folder / "initial_weights.pt")
+            torch.save(full, folder / name)
 
     def _report(self, folder: Path, grow: Any, state: dict[str, Any], started: float) -> None:
+        if grow.decision is not None and grow.decision.source == self.section.replica:
+            self._report_weights(folder, "final_weights.pt")
         buffer = io.BytesIO()
         torch.save(local({k: v.state_dict() for k, v in state.items()}), buffer)
         record = {
