@@ -11,9 +11,11 @@ set from its repository; :func:`write_assets` writes stand-ins that its
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 __all__ = ["write_assets"]
 
@@ -24,7 +26,12 @@ def write_assets(
     """Write ``folder/tokenizer`` (``words`` words, under the debug model's 2048-token
     vocabulary) and ``folder/c4_test`` (``documents`` texts of 20 to 60 words, drawn
     from ``seed``); returns both paths."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    tokenizers: Any = importlib.import_module("tokenizers")  # torchtitan's dependency
+    Tokenizer, models, pre_tokenizers = (
+        tokenizers.Tokenizer,
+        tokenizers.models,
+        tokenizers.pre_tokenizers,
+    )
 
     for value, name in ((words, "words"), (documents, "documents")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -34,7 +41,7 @@ def write_assets(
     names = [f"w{i}" for i in range(words)]
     vocab = {w: i for i, w in enumerate(["<unk>", "<|begin_of_text|>", "<|end_of_text|>", *names])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     (root / "tokenizer").mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(root / "tokenizer" / "tokenizer.json"))
     special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}

@@ -34,9 +34,9 @@ torchtitan's device fallback, FlexAttention's missing CPU backward, FSDP2's
 from __future__ import annotations
 
 import hashlib
-import math
 import io
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -155,7 +155,7 @@ class RandomState:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state()
         return state
 
@@ -341,9 +341,7 @@ def _resolved(section: ReplicasSection) -> ReplicasSection:
         try:
             return int(text)
         except ValueError:
-            raise ValueError(
-                f"SCOPEDMESH_{name.upper()} must be an int, got {text!r}"
-            ) from None
+            raise ValueError(f"SCOPEDMESH_{name.upper()} must be an int, got {text!r}") from None
 
     replica, replicas = integer(section.replica, "replica"), integer(section.replicas, "replicas")
     if replicas < 1:
@@ -471,7 +469,9 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             f"scopedmesh: replica {section.replica} of {section.replicas}, step {self.step}"
             + (f"; on CPU: {', '.join(self.cpu_shims)}" if self.cpu_shims else "")
         )
-        store = connect_store(*parse_address(section.job_store, "scopedmesh.job_store"), section.timeout)
+        store = connect_store(
+            *parse_address(section.job_store, "scopedmesh.job_store"), section.timeout
+        )
         state = self.registered()
         started = time.time()
         with Replicas(
@@ -489,7 +489,12 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
                 except JobFinishedError as error:
                     logger.info(f"scopedmesh: {error}")
                     return
-                if first and section.report_folder and decision.source == section.replica and not self.step:
+                if (
+                    first
+                    and section.report_folder
+                    and decision.source == section.replica
+                    and not self.step
+                ):
                     self._report_weights(Path(section.report_folder))
                 first = False
                 self.gc_handler.run(self.step + 1)
@@ -542,10 +547,10 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         for start in range(0, len(batches), per):
             group = batches[start : start + per]
             inputs = [{k: _to(v, self.device) for k, v in d.items()} for d, _ in group]
-            labels = [lab.to(self.device) for _, lab in group]
+            targets = [lab.to(self.device) for _, lab in group]
             loss = self.forward_backward_step(
                 input_dict=inputs if parallel_dims.pp_enabled else inputs[0],
-                labels=labels if parallel_dims.pp_enabled else labels[0],
+                labels=targets if parallel_dims.pp_enabled else targets[0],
                 global_valid_tokens=global_valid_tokens,
             )
             accumulated += loss.detach().reshape(()).to(accumulated.dtype)
@@ -597,7 +602,9 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             seen = torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device)
             tokens = dist_utils.dist_sum(seen, loss_mesh)
         extra = {"n_tokens_seen": tokens, **lr}
-        self.metrics_processor.log(self.step, avg, high, float(grad_norm.item()), extra_metrics=extra)
+        self.metrics_processor.log(
+            self.step, avg, high, float(grad_norm.item()), extra_metrics=extra
+        )
 
     # ---------------------------------------------------------------- the report
 

@@ -146,11 +146,14 @@ def replay(
         loss_fn.set_lm_head(model.lm_head)
         model._skip_lm_head = True
     optimizers = config.optimizer.build(model_parts=[model])
-    schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
+    schedulers = config.lr_scheduler.build(
+        optimizers=optimizers, training_steps=config.training.steps
+    )
     tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
     last = max(s for s, _, _ in steps) + 1
     shards = {}
-    for shard in range(replicas * local):  # replica r's ranks read shards r*local .. r*local+local-1
+    # replica r's ranks read shards r*local .. r*local+local-1
+    for shard in range(replicas * local):
         loader = config.dataloader.build(
             dp_world_size=replicas * local,
             dp_rank=shard,

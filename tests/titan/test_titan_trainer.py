@@ -91,7 +91,9 @@ def test_torchtitans_trainer_grows_back_after_a_sigkill(tmp_path: Path) -> None:
     assert slots == [(r, c) for r in range(REPLICAS) for c in range(LOCAL)], slots
     restarted = [r for r in found if r["replica"] == victim[0]]
     assert all(r["pid"] != victims[victim] for r in restarted)
-    assert all(r["replicas"] == list(range(REPLICAS)) for r in found), [r["replicas"] for r in found]
+    assert all(r["replicas"] == list(range(REPLICAS)) for r in found), [
+        r["replicas"] for r in found
+    ]
     # Byte-identical, part by part, in every replica (per coordinate: its shards).
     for coordinate in range(LOCAL):
         mine = [r for r in found if r["coordinate"] == coordinate]
@@ -114,9 +116,7 @@ def test_torchtitans_trainer_grows_back_after_a_sigkill(tmp_path: Path) -> None:
     recorded = torch.tensor([x for _, _, x in steps])
     torch.testing.assert_close(recorded, torch.tensor(losses), rtol=LOSS_RTOL, atol=0)
     final = torch.load(out / "report" / "final_weights.pt")
-    diff = max(
-        float((final[name] - weights[job._plain(name)]).abs().max()) for name in final
-    )
+    diff = max(float((final[name] - weights[job._plain(name)]).abs().max()) for name in final)
     assert diff <= WEIGHT_ATOL, diff
     print(
         f"\nRELIABILITY titan trainer: killed {victim}, schedule {job.schedule(steps)}, "
