@@ -41,6 +41,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,6 @@ from torchtitan.trainer import Trainer
 
 from scopedmesh.errors import JobFinishedError, shown
 from scopedmesh.interop.torchtitan import check_torchtitan_version
-from scopedmesh.launch.environment import parse_address
-from scopedmesh.launch.store import connect_store
 
 __all__ = [
     "DataStream",
@@ -349,7 +348,7 @@ def _resolved(section: ReplicasSection) -> ReplicasSection:
     if not 0 <= replica < replicas:
         raise ValueError(f"scopedmesh.replica must be in 0..{replicas - 1}, got {replica}")
     store = section.job_store or env("SCOPEDMESH_JOB_STORE")
-    parse_address(store, "scopedmesh.job_store")
+    _address(store)
     backend = section.backend or os.environ.get("SCOPEDMESH_BACKEND") or "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"scopedmesh.backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -469,8 +468,9 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             f"scopedmesh: replica {section.replica} of {section.replicas}, step {self.step}"
             + (f"; on CPU: {', '.join(self.cpu_shims)}" if self.cpu_shims else "")
         )
-        store = connect_store(
-            *parse_address(section.job_store, "scopedmesh.job_store"), section.timeout
+        host, port = _address(section.job_store)
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # the launcher's job store
+            host, port, is_master=False, timeout=timedelta(seconds=section.timeout)
         )
         state = self.registered()
         started = time.time()
@@ -645,6 +645,14 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         folder.mkdir(parents=True, exist_ok=True)
         name = f"rank-r{self.section.replica}c{dist.get_rank()}-{os.getpid()}.json"
         (folder / name).write_text(json.dumps(record))
+
+
+def _address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (the launcher's ``SCOPEDMESH_JOB_STORE``) as ``(host, port)``."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"scopedmesh.job_store must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
 
 
 def _to(value: Any, device: torch.device) -> Any:
