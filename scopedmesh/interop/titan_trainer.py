@@ -89,6 +89,9 @@ class ReplicasSection:
     """The cross-replica groups' backend, gloo or nccl ("": SCOPEDMESH_BACKEND, else gloo)."""
     timeout: float = 60.0
     """Seconds any wait of the replicas may take (joining, a heal, a state transfer)."""
+    overlap: bool = False
+    """Start the cross-replica sum of each FSDP2 unit's gradients during the backward
+    pass (FSDP2's all-reduce hook) instead of after it (:class:`Overlap`)."""
     finish_wait: float = 0.0
     """Seconds the job may wait at its last step for every replica to be back (idle
     steps of ``IDLE_PACE`` seconds that change nothing), so that a replica restarting
@@ -220,6 +223,61 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.trainer.load_state_dict(state)
+
+
+# ------------------------------------------------------------------ overlap
+
+
+def _dp_group(grow: Any) -> Any:
+    """The epoch's dp group along this rank's coordinate (None: one replica, or the group
+    failed). Replicas has no public accessor for it yet: the one place this module reads
+    a private attribute of :class:`~scopedmesh.Replicas`."""
+    return grow._pg
+
+
+class Overlap:
+    """The cross-replica sum of the gradients, started during the backward pass.
+
+    FSDP2 calls each sharded parameter's post-accumulate-grad hooks once it wrote the
+    parameter's gradient (reduced within the replica; autograd does the same for a
+    parameter FSDP2 does not manage): there the gradient's sum along the epoch's dp
+    group starts, while the backward pass goes on. :meth:`wait` waits for every
+    sum. Off in an epoch's first step with joiners (their catch-up runs inside
+    ``all_reduce_``, before any sum).
+    """
+
+    def __init__(self, model_parts: list[torch.nn.Module]) -> None:
+        self._group: Any = None
+        self._works: list[Any] = []
+        self.failed: BaseException | None = None
+        for part in model_parts:
+            for param in part.parameters():
+                register: Any = param.register_post_accumulate_grad_hook  # untyped in torch
+                register(self._ready)
+
+    def start(self, group: Any) -> None:
+        """Sum along ``group`` in this step's backward pass (None: do nothing)."""
+        self._group, self._works, self.failed = group, [], None
+
+    def _ready(self, param: torch.Tensor) -> None:
+        if self._group is None or param.grad is None or self.failed is not None:
+            return
+        try:
+            self._works.append(self._group.allreduce([local(param.grad)]))
+        except Exception as error:  # a dead peer: the verdict fails the step too
+            self.failed = error
+
+    def wait(self) -> bool:
+        """Wait for every sum; False if one failed."""
+        if self._group is None:
+            return True
+        for work in self._works:
+            try:
+                work.wait()
+            except Exception as error:
+                self.failed = self.failed or error
+        self._group, self._works = None, []
+        return self.failed is None
 
 
 # ------------------------------------------------------------------ CPU and gloo
@@ -363,6 +421,7 @@ def _resolved(section: ReplicasSection) -> ReplicasSection:
         job_store=store,
         backend=backend,
         timeout=float(section.timeout),
+        overlap=section.overlap,
         finish_wait=float(section.finish_wait),
         report_folder=section.report_folder,
     )
@@ -398,6 +457,9 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         self.data = DataStream(self.dataloader, self.batch_generator)
         self.history: list[tuple[int, tuple[int, ...], float]] = []
         self.idle_steps = 0  # agreed idle steps at the end (finish_wait)
+        self.overlap = Overlap(self.model_parts) if self.section.overlap else None
+        self._summed_epoch = -1  # the epoch of this rank's last committed step
+        self.step_times: list[float] = []  # when each committed step ended
         self.batches_per_step = (
             self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
         )
@@ -531,6 +593,13 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             time.sleep(IDLE_PACE)
             return False
         parallel_dims = self.parallel_dims
+        decision = grow.decision
+        overlap = self.overlap
+        if overlap is not None and decision.fresh and self._summed_epoch != decision.epoch:
+            overlap.start(None)  # a catch-up step: the gradients go through all_reduce_
+            overlap = None
+        if overlap is not None:
+            overlap.start(_dp_group(grow))
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         lr_metrics = self.lr_schedulers.get_metrics()
         batches = self.data.take(self.batches_per_step)
@@ -562,13 +631,26 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         # The counters a joiner receives are those before the step (the step's tokens
         # are the same on every replica): they move on commit.
         tokens, self.ntokens_seen = self.ntokens_seen - tokens_before, tokens_before
-        if not grow.all_reduce_([*(local(p.grad) for p in params), shown_losses]):
+        summed = True
+        if overlap is not None:  # the gradients' sums ran in the backward pass: the verdict's alone
+            summed = overlap.wait()  # False: a peer died (the verdict fails too)
+            tensors = [shown_losses]
+        else:
+            tensors = [*(local(p.grad) for p in params), shown_losses]
+        if not grow.all_reduce_(tensors):
             return False
+        if overlap is not None:
+            if not summed:  # the others' sums went through, this rank's did not: restart it
+                raise RuntimeError(f"a gradient sum failed here alone: {overlap.failed}")
+            for p in params:
+                local(p.grad).div_(len(grow.contributors))
+        self._summed_epoch = decision.epoch
         if self.step >= self.config.training.steps:  # caught up by an idle source
             self.idle_steps += 1
             return False
         self.step += 1
         self.ntokens_seen += tokens
+        self.step_times.append(time.time())
         self.data.commit(self.batches_per_step)
         grad_norm = dist_utils.clip_grad_norm_(
             params,
@@ -640,6 +722,8 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             "entered": [[e, t, list(r)] for e, t, r in grow.entered],
             "transfers": [[t.epoch, t.role, t.nbytes, t.seconds] for t in grow.transfers],
             "started": started,
+            "step_times": self.step_times,
+            "overlap": self.section.overlap,
             "pid": os.getpid(),
         }
         folder.mkdir(parents=True, exist_ok=True)
