@@ -52,7 +52,8 @@ def test_torchtitans_trainer_grows_back_after_a_sigkill(tmp_path: Path) -> None:
     rng = random.Random()
     write_assets(tmp_path / "assets")
     out = tmp_path / "out"
-    args = job.trainer_args(tmp_path / "assets", out, STEPS, "--scopedmesh.finish_wait", "120")
+    extra = ("--scopedmesh.finish_wait", "120", "--scopedmesh.overlap")
+    args = job.trainer_args(tmp_path / "assets", out, STEPS, *extra)
     address = f"127.0.0.1:{_free_port()}"
     command = [
         sys.executable, "-m", "scopedmesh", "replicas",
