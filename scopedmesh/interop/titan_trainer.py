@@ -536,45 +536,57 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
         )
         state = self.registered()
         started = time.time()
-        with Replicas(
-            store,
-            replica=section.replica,
-            replicas=section.replicas,
-            state=state,
-            backend=section.backend,
-            timeout=section.timeout,
-        ) as grow:
-            first = True
-            while True:
-                try:
-                    decision = grow.boundary()
-                except JobFinishedError as error:
-                    logger.info(f"scopedmesh: {error}")
-                    return
-                if (
-                    first
-                    and section.report_folder
-                    and decision.source == section.replica
-                    and not self.step
-                ):
-                    self._report_weights(Path(section.report_folder))
-                first = False
-                self.gc_handler.run(self.step + 1)
-                if self.step >= config.training.steps:
-                    waits = math.ceil(section.finish_wait / IDLE_PACE)
-                    if grow.size < section.replicas and self.idle_steps < waits:
-                        self._replicated_step(grow, idle=True)  # an admission may come
-                        continue
-                    if grow.finish():
-                        break
-                    continue
-                if self._replicated_step(grow) and decision.source == section.replica:
-                    self.checkpointer.save(
-                        self.step, last_step=(self.step == config.training.steps)
-                    )
+        with (
+            Replicas(
+                store,
+                replica=section.replica,
+                replicas=section.replicas,
+                state=state,
+                backend=section.backend,
+                timeout=section.timeout,
+            ) as grow,
+            config.profiler.build(
+                global_step=self.step,
+                base_folder=config.dump_folder,
+                leaf_folder=f"replica_{section.replica}",
+            ) as profiler,
+        ):
+            if not self._loop(grow, profiler):
+                return
             if section.report_folder:
                 self._report(Path(section.report_folder), grow, state, started)
         logger.info("Training completed")
+
+    def _loop(self, grow: Any, profiler: Any) -> bool:
+        """Train until every replica agreed to end (True), or until this replica finds
+        the job finished before it was admitted (False: nothing to rejoin)."""
+        config, section = self.config, self.section
+        first = True
+        while True:
+            try:
+                decision = grow.boundary()
+            except JobFinishedError as error:
+                logger.info(f"scopedmesh: {error}")
+                return False
+            if first and section.report_folder and decision.source == section.replica:
+                if not self.step:  # the weights every replica starts from
+                    self._report_weights(Path(section.report_folder))
+            first = False
+            self.gc_handler.run(self.step + 1)
+            if self.step >= config.training.steps:
+                waits = math.ceil(section.finish_wait / IDLE_PACE)
+                if grow.size < section.replicas and self.idle_steps < waits:
+                    self._replicated_step(grow, idle=True)  # an admission may come
+                elif grow.finish():
+                    return True
+                continue
+            if not self._replicated_step(grow):
+                continue
+            if decision.source == section.replica:  # one copy of the job's state
+                self.checkpointer.save(self.step, last_step=(self.step == config.training.steps))
+            if config.validator.enable and self.validator.should_validate(self.step):
+                self.validator.validate(self.model_parts, self.step)
+            profiler.step()
 
     def _replicated_step(self, grow: Any, *, idle: bool = False) -> bool:
         """One step; True if it was committed. Until the verdict nothing registered
