@@ -14,7 +14,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
+
+COMMANDS = ("plan", "replicas")
 
 USAGE = """\
 usage: scopedmesh COMMAND ...
@@ -36,6 +38,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] in (["-h"], ["--help"]):
         sys.stdout.write(USAGE)
         return 0
+    if not args or args[0] not in COMMANDS:
+        problem = (
+            "the following arguments are required: COMMAND"
+            if not args
+            else f"argument COMMAND: invalid choice: {args[0]!r}"
+        )
+        choices = ", ".join(repr(c) for c in COMMANDS)
+        sys.stderr.write(f"scopedmesh: error: {problem} (choose from {choices})\n")
+        return 2
     from scopedmesh.plan.cli import main as plan
 
     return plan(args)

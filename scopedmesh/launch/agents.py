@@ -55,7 +55,8 @@ _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago.
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it
+    before you use it: good enough for a rendezvous on this host, and for tests).
 
     >>> 0 < free_port() < 65536
     True
@@ -106,7 +107,8 @@ class Agent:
         code = self.process.returncode
         how = f"its agent exited with code {code}"
         if code is not None and code < 0:
-            how = f"its agent was killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            how = f"its agent was killed by signal {name}"
         rank = "" if self.failed_rank is None else f", rank {self.failed_rank}"
         exit_code = "" if self.failed_exitcode is None else f" (exit code {self.failed_exitcode})"
         lines = "\n".join(f"  {line}" for line in last_words(list(self.tail)))
@@ -196,7 +198,6 @@ class ReplicaAgents:
             )
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             env[LAUNCH_VARIABLE] = self.launch_id
-            env.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not at exit
             process = subprocess.Popen(
                 self.agent_command(), env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,

@@ -304,7 +304,8 @@ def _outlive_other_hosts(
     if not others:
         return
     say(
-        f"{PROG}: waiting for replicas {','.join(map(str, others))} on other hosts to end "
+        f"{PROG}: waiting for replica{'s' if len(others) > 1 else ''} "
+        f"{','.join(map(str, others))} on other hosts to end "
         "(the job store must outlive them; SIGINT stops)"
     )
     while not stopped and time.monotonic() < deadline:

@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_backend, check_timeout
 from scopedmesh.errors import shown
+from scopedmesh.launch.agents import free_port  # public here too: scopedmesh.testing.free_port
 from scopedmesh.launch.store import host_job_store
 from scopedmesh.layout.ints import is_int
 from scopedmesh.testing.world import START_METHODS, WARM_MODULES
@@ -100,21 +100,6 @@ class WorldError(RuntimeError):
         super().__init__(message)
         self.failures: dict[int, str] = dict(failures or {})
         self.still_running: list[int] = sorted(still_running)
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago.
-
-    The port is found by binding port 0 and closing the socket, so another
-    process may take it before you use it; it is good enough for tests.
-
-    >>> 0 < free_port() < 65536
-    True
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def host_store(init_timeout: float) -> Any:

@@ -110,6 +110,22 @@ def test_help_lists_both_commands_and_the_options(capsys: pytest.CaptureFixture[
     assert "--host-job-store" in out and "--max-restarts" in out and "--timeout" in out
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "the following arguments are required: COMMAND (choose from 'plan', 'replicas')"),
+        (["foo"], "invalid choice: 'foo' (choose from 'plan', 'replicas')"),
+        (["--json"], "invalid choice: '--json'"),
+    ],
+)
+def test_an_unknown_command_names_both(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    assert scopedmesh(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scopedmesh: error: ") and says in err and err.count("\n") == 1
+
+
 def test_plan_still_answers_through_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert scopedmesh(["plan", "2", "3", "--names", "pp", "tp", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
