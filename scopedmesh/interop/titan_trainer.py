@@ -123,23 +123,30 @@ def local(value: Any) -> Any:
 
 
 class Params:
-    """The parameters of ``model_parts`` as registered state, by name, as they are
-    (FSDP2's and TP's DTensors). torchtitan's model ``state_dict`` splits the fused
-    ``wqkv`` with a collective on the replica's group; the parameters move between
-    replicas of one layout without it.
+    """The parameters of a model (or of torchtitan's ``model_parts``: names prefixed by
+    the part's index) as registered state, by name, as they are (FSDP2's and TP's
+    DTensors). torchtitan's model ``state_dict`` splits the fused ``wqkv`` with a
+    collective on the replica's group; the parameters move between replicas of one
+    layout without it.
 
-    >>> model = torch.nn.Linear(2, 1)
-    >>> sorted(Params([model]).state_dict())
+    >>> sorted(Params(torch.nn.Linear(2, 1)).state_dict())
+    ['bias', 'weight']
+    >>> sorted(Params([torch.nn.Linear(2, 1)]).state_dict())
     ['0.bias', '0.weight']
     """
 
-    def __init__(self, model_parts: list[torch.nn.Module]) -> None:
-        self.model_parts = model_parts
+    def __init__(self, model: torch.nn.Module | list[torch.nn.Module]) -> None:
+        if isinstance(model, torch.nn.Module):
+            self.model_parts, self._prefixed = [model], False
+        elif isinstance(model, list) and all(isinstance(m, torch.nn.Module) for m in model):
+            self.model_parts, self._prefixed = list(model), True
+        else:
+            raise TypeError(f"model must be a Module or a list of Modules, got {shown(model)}")
 
     def _named(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for index, part in enumerate(self.model_parts):
             for name, param in part.named_parameters():
-                yield f"{index}.{name}", param
+                yield (f"{index}.{name}" if self._prefixed else name), param
 
     def state_dict(self) -> dict[str, Any]:
         return {name: param.detach() for name, param in self._named()}
