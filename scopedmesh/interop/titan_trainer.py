@@ -326,6 +326,17 @@ class _CpuDevice:
         return None
 
 
+CPU_TARGETS = (
+    ("torchtitan.tools.utils", ("device_type", "device_module", "get_local_device")),
+    ("torchtitan.distributed.utils", ("device_type", "device_module", "get_local_device")),
+    ("torchtitan.distributed.parallel_dims", ("device_type",)),
+    ("torchtitan.components.metrics", ("device_type", "device_module")),
+    ("torchtitan.tools.profiler", ("device_module",)),
+    ("torchtitan.models.common.token_dispatcher", ("device_type", "device_module")),
+)
+"""The torchtitan 0.3.0 modules that copied its device at import, and what they copied."""
+
+
 def run_on_cpu() -> list[str]:
     """Point torchtitan's device at the CPU (it picks ``"cuda"`` where it finds no
     accelerator, and ``torch.cpu`` has no ``get_device_name``): the module attributes
@@ -334,20 +345,12 @@ def run_on_cpu() -> list[str]:
     import importlib
 
     patched = []
-    targets = {
-        "torchtitan.tools.utils": ("device_type", "device_module", "get_local_device"),
-        "torchtitan.distributed.utils": ("device_type", "device_module", "get_local_device"),
-        "torchtitan.distributed.parallel_dims": ("device_type",),
-        "torchtitan.components.metrics": ("device_type", "device_module"),
-        "torchtitan.tools.profiler": ("device_module",),
-        "torchtitan.models.common.token_dispatcher": ("device_type", "device_module"),
-    }
     values: dict[str, Any] = {
         "device_type": "cpu",
         "device_module": _CpuDevice(),
         "get_local_device": lambda: torch.device("cpu"),
     }
-    for module_name, names in targets.items():
+    for module_name, names in CPU_TARGETS:
         module = importlib.import_module(module_name)
         for name in names:
             if hasattr(module, name):

@@ -130,3 +130,25 @@ def test_torchfts_config_has_no_home_here() -> None:
     torchft = pytest.importorskip("torchtitan.experiments.torchft.llama3.config_registry")
     with pytest.raises(ValueError, match=r"fields \['fault_tolerance'\]"):
         titan_configs.replicated(torchft.llama3_torchft_debugmodel())
+
+
+def test_on_cpu_torchtitans_device_is_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from scopedmesh.interop.titan_trainer import CPU_TARGETS, run_on_cpu
+
+    for module_name, names in CPU_TARGETS:  # monkeypatch puts torchtitan's own back
+        module = importlib.import_module(module_name)
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))
+    patched = run_on_cpu()
+    assert len(patched) == sum(len(names) for _, names in CPU_TARGETS)
+    from torchtitan.components import metrics
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.tools import utils
+
+    assert utils.device_type == dist_utils.device_type == metrics.device_type == "cpu"
+    assert metrics.device_module.get_device_name(None) == "cpu"
+    assert dist_utils.get_local_device() == torch.device("cpu")
+    assert utils.device_module.get_device_properties(None).total_memory > 0
+    assert utils.device_module.is_available is torch.cpu.is_available  # the rest: torch.cpu
