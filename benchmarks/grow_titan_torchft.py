@@ -231,27 +231,6 @@ def worker(
 # ------------------------------------------------------------------ the launcher
 
 
-def _assets(folder: Path) -> None:
-    """A word-level tokenizer (under torchtitan's 2048-token vocabulary) and a small text
-    set in ``c4_test``'s format."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(1000)]
-    vocab = {w: i for i, w in enumerate(["<unk>", "<|begin_of_text|>", "<|end_of_text|>", *words])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    (folder / "tokenizer").mkdir(parents=True)
-    tokenizer.save(str(folder / "tokenizer" / "tokenizer.json"))
-    special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
-    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(special))
-    (folder / "c4_test").mkdir()
-    with open(folder / "c4_test" / "c4-train.json", "w") as f:
-        for _ in range(2000):
-            text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 60)))
-            f.write(json.dumps({"text": text}) + "\n")
-
-
 def _records(out: Path) -> dict[tuple[int, int, int], dict[str, Any]]:
     found = {}
     for path in out.glob("r*c*-*.json"):
@@ -320,11 +299,13 @@ def run(
 ) -> dict[str, Any]:
     from torchft._torchft import LighthouseServer
 
+    from scopedmesh.interop.titan_assets import write_assets
+
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, **lighthouse_ms)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        _assets(folder / "assets")
+        write_assets(folder / "assets")
         out = folder / "out"
         out.mkdir()
         env = dict(os.environ, TORCHFT_LIGHTHOUSE=address, OMP_NUM_THREADS="1")

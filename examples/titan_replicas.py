@@ -159,25 +159,6 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ the worker
 
 
-class Params:
-    """The model's parameters as registered state, by name, as they are (DTensors: FSDP2's
-    and TP's shards). torchtitan's model's own ``state_dict`` hooks split the fused
-    ``wqkv`` into ``wq``/``wk``/``wv`` (new tensors); the parameters travel as they are."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: v.detach() for k, v in self.model.named_parameters()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                value, mine = local(state[name]), local(param)
-                if value.data_ptr() != mine.data_ptr():  # received in place: nothing to do
-                    mine.copy_(value)
-
-
 class Progress:
     """The step and, per agreed step, its contributors and the replicas' mean loss."""
 
@@ -195,20 +176,9 @@ class Progress:
         ]
 
 
-def local(value: Any) -> Any:
-    """``value`` with every DTensor replaced by this rank's shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: local(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [local(v) for v in value]
-    return value
-
-
 def digest(state: Any) -> str:
+    from scopedmesh.interop.titan_trainer import local
+
     buffer = io.BytesIO()
     torch.save(local(state), buffer)
     return hashlib.sha256(buffer.getvalue()).hexdigest()
@@ -221,6 +191,7 @@ def train(
     import torch.testing._internal.distributed.fake_pg  # torchtitan's unused axes
 
     from scopedmesh import ProcessGroupMesh, Replicas
+    from scopedmesh.interop.titan_trainer import Params, local
     from scopedmesh.interop.torchtitan import ScopedParallelDims
 
     started = time.time()
