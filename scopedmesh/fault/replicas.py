@@ -35,7 +35,7 @@ tensors count for nothing in that step (``contributors``), so it applies the
 same update from the same state. A loop may skip its compute while
 ``catching_up`` (the tensors must still have their shapes).
 
-docs/healing.md ("Grow back") gives the protocol, its store traffic and its limits.
+docs/replicas.md gives the protocol, its store traffic and its limits.
 """
 
 from __future__ import annotations
@@ -187,6 +187,14 @@ class Replicas:
         """The job's agreed steps (each ``all_reduce_`` that returned True; a joiner takes
         the source's count with its state). :func:`~scopedmesh.job_view` shows it."""
         return self._count.value
+
+    @property
+    def dp_group(self) -> Any:
+        """This epoch's dp group along this rank's coordinate (one member per replica of
+        the epoch), or None: before the first boundary, with one replica, or once a
+        collective on it failed. For work started before :meth:`all_reduce_` (gradient sums
+        overlapped with the backward pass); ``all_reduce_`` still decides the step."""
+        return self._pg
 
     @property
     def catching_up(self) -> bool:

@@ -235,13 +235,6 @@ class TrainState:
 # ------------------------------------------------------------------ overlap
 
 
-def _dp_group(grow: Any) -> Any:
-    """The epoch's dp group along this rank's coordinate (None: one replica, or the group
-    failed). Replicas has no public accessor for it yet: the one place this module reads
-    a private attribute of :class:`~scopedmesh.Replicas`."""
-    return grow._pg
-
-
 class Overlap:
     """The cross-replica sum of the gradients, started during the backward pass.
 
@@ -621,7 +614,7 @@ class ReplicatedTrainer(Trainer):  # type: ignore[misc]  # torchtitan ships no t
             overlap.start(None)  # a catch-up step: the gradients go through all_reduce_
             overlap = None
         if overlap is not None:
-            overlap.start(_dp_group(grow))
+            overlap.start(grow.dp_group)
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         lr_metrics = self.lr_schedulers.get_metrics()
         batches = self.data.take(self.batches_per_step)
