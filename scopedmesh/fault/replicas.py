@@ -193,7 +193,12 @@ class Replicas:
         """This epoch's dp group along this rank's coordinate (one member per replica of
         the epoch), or None: before the first boundary, with one replica, or once a
         collective on it failed. For work started before :meth:`all_reduce_` (gradient sums
-        overlapped with the backward pass); ``all_reduce_`` still decides the step."""
+        overlapped with the backward pass); ``all_reduce_`` still decides the step.
+
+        It is the group object this class's own collectives use: a ``ProcessGroup``'s
+        collectives (``allreduce``, ``broadcast``, ...) behind a wrapper whose waits watch
+        the peers (gloo: their links; NCCL: their liveness), so a wait on its work ends
+        when a peer is lost instead of at gloo's or NCCL's timeout."""
         return self._pg
 
     @property

@@ -196,9 +196,8 @@ def train(
                 inside_sums.add(float(mark[0]))
             time.sleep(pace)
         keys_left = store.num_keys()
-        dp = grow.dp_group  # the last epoch's group along this coordinate, still held
         result = {
-            "dp_members": None if dp is None else dp.size(),
+            "dp_group": grow.dp_group is not None,  # the last epoch's, along this coordinate
             "digest": digest({"model": model.state_dict(), "optim": optim.state_dict()}),
             "history": progress.history,
             "epoch": grow.decision.epoch if grow.decision else None,

