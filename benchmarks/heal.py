@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.monotonic(), load()
     every: list[list[float]] = []
     record: list[dict[str, Any]] = []
+    all_kills: list[heal_random.Kill] = []
     shapes = args.shapes.split(",")
     for shape in shapes:
         plan = heal_random.plan_for(shape, timeout=args.timeout)
@@ -136,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         rows = []
+        kills: list[heal_random.Kill] = []
         mid = 0
         for number in range(args.kills):
             kill = heal_random.launch(plan, rng)
             heal_random.check(kill, plan)
             row = heal_random.phases(kill)
             rows.append(row)
+            kills.append(kill)
             mid += kill.where.endswith("all_reduce")
             raised = ", ".join(heal_random.survivor_errors(kill))
             print(
@@ -158,15 +161,19 @@ def main(argv: list[str] | None = None) -> int:
                     "where": kill.where,
                     "delay": kill.delay,
                     "phases": dict(zip(PHASES, row)),
+                    "breakdown": dict(zip(heal_random.BREAKDOWN, heal_random.breakdown(kill))),
+                    "step_before_kill": kill.per_step,
                     "raised_in": raised,
                     "launcher_marks": kill.marks,
                 }
             )
         every += rows
+        all_kills += kills
         print(
             f"{shape}: {summary(rows)}; killed inside a collective {mid} of {len(rows)}; {load()}",
             flush=True,
         )
+        print(f"{shape} {heal_random.breakdown_line(kills)}", flush=True)
     wall = time.monotonic() - started
     if args.out:
         args.out.write_text(
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"wall {wall:.0f} s; {load_before} before, {load()} after", flush=True)
     print(f"heal: {summary(every)}")
+    print(f"heal {heal_random.breakdown_line(all_kills)}")
     return 0
 
 

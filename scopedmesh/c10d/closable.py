@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from scopedmesh.c10d import gloo_sockets
 from scopedmesh.errors import MeshClosedError
 
 __all__ = [
@@ -329,6 +330,8 @@ class ClosableGroup(dist.ProcessGroup):
         self._released_because = ""
         self._name = ""
         self._desc = ""
+        # the inner group's connections to its peers, as its construction opened them
+        self.connections = gloo_sockets.Connections(())
 
     def inner(self) -> dist.ProcessGroup:
         """The plain gloo group underneath; ``MeshClosedError`` once released."""
@@ -356,17 +359,30 @@ class ClosableGroup(dist.ProcessGroup):
             self._let_go(handles)
         del inner, held  # the last references: gloo closes its sockets here
 
+    def shut(self) -> int:
+        """``shutdown(2)`` the group's connections now; how many were still open.
+
+        A collective in flight on them fails at once, here and on every peer (they
+        read end-of-file), instead of when its own connection fails. Nothing
+        waits: the group's threads and descriptors go later, when it is dropped
+        (:meth:`interrupt`, :meth:`settle`, :meth:`release`). Local, idempotent,
+        from any thread. A group whose connections were not found
+        (:mod:`~scopedmesh.c10d.gloo_sockets`) closes them as before, when dropped.
+        """
+        return self.connections.shut()
+
     def interrupt(self, because: str) -> bool:
         """Shut the group down from another thread, without waiting for a collective on it.
 
         Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
-        If no collective is in flight, the connections close now, so peers
-        blocked in a collective with this rank raise at once; returns True.
-        Otherwise gloo's destructor would wait for that collective, so the group
-        is held and False is returned: the collective in flight ends (it
-        completes, or fails when a peer's connections close), and then
-        :meth:`settle` closes the connections. Local, idempotent.
+        The connections are shut first (:meth:`shut`), so a collective in flight,
+        here or on a peer, fails at once. If none is in flight, the group is
+        dropped now; returns True. Otherwise gloo's destructor would wait for
+        that collective, so the group is held and False is returned: the
+        collective, its connections shut, ends at once, and then :meth:`settle`
+        (or :meth:`release`) drops the group. Local, idempotent.
         """
+        self.shut()
         with self._lock:
             inner = self._inner
             if inner is None:
@@ -619,7 +635,9 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     group size, the timeout, the group's name and its global ranks.
     """
     store, group_rank, group_size = options.store, options.group_rank, options.group_size
+    before = gloo_sockets.sockets_now()
     backend = dist.ProcessGroupGloo(store, group_rank, group_size, options.timeout)
+    connections = gloo_sockets.connections_since(before, group_size)
     # What torch's own gloo branch sets on the options, where this torch has them.
     with contextlib.suppress(AttributeError):
         backend.options.global_ranks_in_group = options.global_ranks_in_group
@@ -629,6 +647,7 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     group = ClosableGroup(inner)
+    group.connections = connections
     stand_in = _stand_in(group_rank, group_size)  # register() made sure this torch has one
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     device = torch.device(STAND_IN_DEVICE)  # never "cpu": see _stand_in
