@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.heal                    # 2x2x2, 4x2, 8x1: 20 kills each
     .venv/bin/python -m benchmarks.heal --shapes 4x4 --kills 5   # 16 ranks
     .venv/bin/python -m benchmarks.heal --against torchft  # side by side with torchft 0.2.0
+    .venv/bin/python -m benchmarks.heal --against torchft --burn  # the same, under load
     .venv/bin/python -m benchmarks.heal --backend nccl     # on a GPU host (benchmarks.heal_nccl)
     .venv/bin/python -m benchmarks.heal --grow             # grow back (benchmarks.grow)
 
@@ -30,6 +31,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from benchmarks import heal_random
-from benchmarks.heal_common import PHASES, load, reference, summary
+from benchmarks.heal_common import PHASES, burners, load, reference, summary
 from benchmarks.heal_plan import (
     NAMES,
     SHAPE,
@@ -100,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--grow", action="store_true", help="grow back: kill, restart, rejoin (benchmarks.grow)"
     )
+    parser.add_argument(
+        "--burn", action="store_true", help="under load: a CPU burner per core beside the run"
+    )
     parser.add_argument("--bound", action="store_true", help="nccl: WORLD bound to the device")
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="nccl: the same code on gloo, on the CPU"
@@ -109,6 +114,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.burn:
+        count = os.cpu_count() or 1
+        print(f"under load: {count} CPU burners (one per core) beside the run", flush=True)
+        with burners(count):
+            return run(args, argv)
+    return run(args, argv)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The mode ``args`` asks for (:func:`mode`), or the outside kills on gloo."""
     other = mode(args)
     if other is not None:
         module: Any = importlib.import_module(other)

@@ -331,8 +331,21 @@ def _time_the_verdict() -> dict[str, float]:
         finally:
             marks["closed_at"] = time.time()
 
+    from scopedmesh.mesh import group_table
+
+    interrupt = group_table._interrupt
+
+    def timed_interrupt(groups: Any, because: str) -> Any:
+        began = time.perf_counter()
+        try:
+            return interrupt(groups, because)
+        finally:
+            took = time.perf_counter() - began
+            marks["abort_s"] = marks.get("abort_s", 0.0) + took
+
     step_module.Step._vote = timed_vote  # type: ignore[method-assign]
     step_module.reform = timed_reform
+    group_table._interrupt = timed_interrupt
     return marks
 
 
@@ -512,7 +525,16 @@ def breakdown_line(kills: Sequence[Kill]) -> str:
         parts.append(f"{name} {at:.3f} (+{1000 * (at - before):.0f} ms)")
         before = at
     step = statistics.median(kill.per_step for kill in kills)
-    return "breakdown, medians: " + ", ".join(parts) + f"; a step before the kill {step:.3f} s"
+    aborts = [
+        max(r["events"][0].get("abort_s", 0.0) for r in survivors_on(kill).values())
+        for kill in kills
+    ]
+    return (
+        "breakdown, medians: "
+        + ", ".join(parts)
+        + f"; a step before the kill {step:.3f} s; aborting the groups took "
+        + f"{1000 * statistics.median(aborts):.0f} ms (max {1000 * max(aborts):.0f})"
+    )
 
 
 def plan_for(shape: str, *, timeout: float, interval: float = 0.02) -> dict[str, Any]:
