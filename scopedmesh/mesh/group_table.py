@@ -254,6 +254,11 @@ class GroupTable:
         """Destroy ``groups`` that torch made for a scope (never registered here), in the
         order given; no communication. Returns the failures, first first."""
         errors: list[Exception] = []
+        groups = list(groups)
+        closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded with the first gloo group
+        for group in groups:  # every gloo group's drop under way first: they end together
+            if closable is not None and isinstance(group, closable.ClosableGroup):
+                group.release_soon()
         for group in groups:
             if group in self._adopted:
                 self._adopted.remove(group)
