@@ -335,3 +335,68 @@ def test_point_to_point_on_a_shut_down_group_raises_mesh_closed_error(state: str
         expected = "RuntimeError" if name.startswith("ProcessGroup.") else "MeshClosedError"
         assert outcome.startswith(expected), (name, outcome)
     assert x.item() == 7.0
+
+
+def test_an_abort_shuts_every_groups_connections_before_it_drops_any() -> None:
+    """Issue 45: dropping a gloo group joins its threads (17 to 76 ms each under light
+    load), so an abort that shut each group's connections only as it dropped it released
+    the peers blocked on the last group one drop after another. Every group's ``shut``
+    comes first, then the drops."""
+    from scopedmesh.mesh.group_table import _interrupt
+
+    calls: list[str] = []
+    groups = [_one_member_group() for _ in range(3)]
+    for number, group in enumerate(groups):
+        group.setGroupName(f"g-{number}")
+        shut, interrupt = group.shut, group.interrupt
+
+        def shut_noted(number: int = number, shut: Any = shut) -> int:
+            calls.append(f"shut {number}")
+            return int(shut())
+
+        def interrupt_noted(because: str, number: int = number, interrupt: Any = interrupt) -> bool:
+            calls.append(f"drop {number}")
+            return bool(interrupt(because))
+
+        group.shut = shut_noted  # type: ignore[method-assign]
+        group.interrupt = interrupt_noted  # type: ignore[method-assign]
+    assert _interrupt(list(groups), "when the test aborted them") == []
+    drops = [call for call in calls if call.startswith("drop")]
+    assert calls[:3] == ["shut 0", "shut 1", "shut 2"] and len(drops) == 3, calls
+    assert all(group.released for group in groups)
+
+
+def test_an_interrupt_drops_the_group_on_a_thread_that_release_waits_for() -> None:
+    """Issue 45: gloo's destructor joins the group's threads (tens of ms under load); an
+    abort runs on the watch's thread, which must not wait for it, and a mesh's close
+    starts every group's drop before it waits for any, so they end together."""
+    group = _one_member_group()
+    before = _open_fds()
+    assert group.interrupt("when the test interrupted it") is True
+    assert [t.name for t in group._drops] == ["scopedmesh-gloo-close"]  # not on this thread
+    group.release()
+    assert not any(t.is_alive() for t in group._drops) and _open_fds() < before
+
+
+def test_a_mesh_close_starts_every_groups_drop_before_it_waits_for_one() -> None:
+    from scopedmesh.mesh.group_table import GroupTable
+
+    calls: list[str] = []
+    groups = [_one_member_group() for _ in range(3)]
+    for number, group in enumerate(groups):
+        soon, release = group.release_soon, group.release
+
+        def soon_noted(because: str = "", number: int = number, soon: Any = soon) -> None:
+            calls.append(f"start {number}")
+            soon(because or "when its mesh closed")
+
+        def release_noted(because: str = "", number: int = number, release: Any = release) -> None:
+            calls.append(f"wait {number}")
+            release(because or "when its mesh closed")
+
+        group.release_soon = soon_noted  # type: ignore[method-assign]
+        group.release = release_noted  # type: ignore[method-assign]
+    assert GroupTable().destroy(groups) == []
+    assert calls[:3] == ["start 0", "start 1", "start 2"], calls
+    assert [call for call in calls if call.startswith("wait")] == ["wait 0", "wait 1", "wait 2"]
+    assert all(group.released for group in groups)
