@@ -105,6 +105,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--burn", action="store_true", help="under load: a CPU burner per core beside the run"
     )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="gloo: the survivors' groups formed before the kill (scopedmesh.mesh.standby)",
+    )
     parser.add_argument("--bound", action="store_true", help="nccl: WORLD bound to the device")
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="nccl: the same code on gloo, on the CPU"
@@ -138,7 +143,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     all_kills: list[heal_random.Kill] = []
     shapes = args.shapes.split(",")
     for shape in shapes:
-        plan = heal_random.plan_for(shape, timeout=args.timeout)
+        plan = heal_random.plan_for(shape, timeout=args.timeout, standby=args.standby)
         names = ", ".join(plan["names"])
         print(
             f"{shape} ({names}), {math.prod(plan['shape'])} ranks, {args.kills} kills, "

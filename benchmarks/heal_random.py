@@ -53,6 +53,7 @@ from benchmarks.heal_common import (
 from benchmarks.heal_common import reference as small_reference
 from scopedmesh import LostRankError, ProcessGroupMesh
 from scopedmesh.fault.liveness import LivenessWatch
+from scopedmesh.mesh.standby import prepare_standby
 
 BUCKET = 4 * 1024 * 1024 // 8  # float64 elements in the 4 MiB gradient bucket
 SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
@@ -240,6 +241,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     verdict_marks = _time_the_verdict()
     mesh = watch.guard(ProcessGroupMesh(*shape, names=names, timeout=plan["timeout"]))
     mesh.create_groups(*names)
+    standby = prepare_standby(mesh, "dp") if plan.get("standby") else None  # before any death
     dist.barrier()  # every watch linked, every group formed
     sizes, coords = _tp_pp_dp(mesh)
     weights = initial(sizes, coords)
@@ -283,6 +285,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
             event.update(verdict_marks)
             mesh.create_groups(*names)
             event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
+            event["standby_taken"] = 0 if standby is None else standby.taken
             events.append(event)
         if verdict.committed:  # the step counts on every member: apply it
             loss = apply(weights, bucket, sizes["dp"])
@@ -461,6 +464,10 @@ def check(kill: Kill, plan: dict[str, Any]) -> None:
     if len(resumes) != 1:
         raise RuntimeError(f"survivors resumed from steps {sorted(resumes)}")
     resume = resumes.pop()
+    if plan.get("standby"):  # every group the survivors use was formed before the kill
+        formed = {rank: r["events"][0].get("standby_taken", 0) for rank, r in on.items()}
+        if not all(formed.values()):
+            raise RuntimeError(f"a survivor took no standby group: {formed}")
     replicas = plan["shape"][0]
     last = resume + plan["after"]
     expected = small_reference(last, lambda s: replicas if s < resume else replicas - 1)
@@ -537,9 +544,12 @@ def breakdown_line(kills: Sequence[Kill]) -> str:
     )
 
 
-def plan_for(shape: str, *, timeout: float, interval: float = 0.02) -> dict[str, Any]:
+def plan_for(
+    shape: str, *, timeout: float, interval: float = 0.02, standby: bool = False
+) -> dict[str, Any]:
     dims, names = SHAPES[shape]
     return {
+        "standby": standby,
         "shape": list(dims),
         "names": list(names),
         "timeout": timeout,
