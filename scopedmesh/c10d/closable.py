@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -29,7 +28,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from scopedmesh.c10d import gloo_sockets
 from scopedmesh.errors import MeshClosedError
 
 __all__ = [
@@ -331,10 +329,6 @@ class ClosableGroup(dist.ProcessGroup):
         self._released_because = ""
         self._name = ""
         self._desc = ""
-        # the inner group's connections to its peers, as its construction opened them
-        self.connections = gloo_sockets.Connections(())
-        self._drops: list[threading.Thread] = []  # threads dropping the inner group
-        self._close_limit = 360.0  # seconds release() waits: the group's timeout + 60
 
     def inner(self) -> dist.ProcessGroup:
         """The plain gloo group underneath; ``MeshClosedError`` once released."""
@@ -350,92 +344,41 @@ class ClosableGroup(dist.ProcessGroup):
     def release(self, because: str = "when its mesh closed") -> None:
         """Drop the inner group: its sockets close and its threads end (local, idempotent).
 
-        Returns once they have (:meth:`release_soon`, then a wait for every drop of
-        this group under way), at most the group's timeout plus a minute: a
-        collective still in flight holds gloo's destructor until it ends. A mesh's
-        close is the one caller.
-        """
-        self.release_soon(because)
-        with self._lock:
-            drops, self._drops = self._drops, []
-        deadline = time.monotonic() + self._close_limit
-        for thread in drops:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                raise RuntimeError(
-                    f"process group {self._name!r}: gloo did not end its threads and close "
-                    f"its sockets within {self._close_limit:g} s of its close (a collective "
-                    "in flight on it has not ended)"
-                )
-
-    def release_soon(self, because: str = "when its mesh closed") -> None:
-        """Start dropping the inner group on a thread of its own; :meth:`release` waits for it.
-
-        Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
-        gloo's destructor joins the group's threads (tens of milliseconds each
-        under load, with the GIL released): a mesh's close starts every group's
-        drop first, so that they end together rather than one after another.
+        The caller's thread waits here for a collective still in flight (gloo's
+        destructor does); a mesh's close is the one caller.
         """
         with self._lock:
             if self._inner is not None:
                 self._released_because = because
             handles, self._handles = list(self._given), []
-            box = [group for group in (self._inner, self._held) if group is not None]
+            inner, held = self._inner, self._held
             self._inner = self._held = None
             self._let_go(handles)
-            self._drop(box)
-
-    def _drop(self, box: list[dist.ProcessGroup]) -> None:
-        """Drop the groups in ``box`` (the last references) on a thread of its own, which
-        :meth:`release` waits for. The caller holds the lock and no other reference."""
-        if not box:
-            return
-
-        def drop() -> None:
-            box.clear()  # gloo's destructor: it closes the sockets, joins the threads
-
-        thread = threading.Thread(target=drop, name="scopedmesh-gloo-close", daemon=True)
-        self._drops = [t for t in self._drops if t.is_alive()] + [thread]
-        thread.start()
-
-    def shut(self) -> int:
-        """``shutdown(2)`` the group's connections now; how many were still open.
-
-        A collective in flight on them fails at once, here and on every peer (they
-        read end-of-file), instead of when its own connection fails. Nothing
-        waits: the group's threads and descriptors go later, when it is dropped
-        (:meth:`interrupt`, :meth:`settle`, :meth:`release`). Local, idempotent,
-        from any thread. A group whose connections were not found
-        (:mod:`~scopedmesh.c10d.gloo_sockets`) closes them as before, when dropped.
-        """
-        return self.connections.shut()
+        del inner, held  # the last references: gloo closes its sockets here
 
     def interrupt(self, because: str) -> bool:
         """Shut the group down from another thread, without waiting for a collective on it.
 
         Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
-        The connections are shut first (:meth:`shut`), so a collective in flight,
-        here or on a peer, fails at once. If none is in flight, the group is
-        dropped, on a thread of its own (:meth:`release_soon`): returns True.
+        If no collective is in flight, the connections close now, so peers
+        blocked in a collective with this rank raise at once; returns True.
         Otherwise gloo's destructor would wait for that collective, so the group
-        is held and False is returned: the collective, its connections shut, ends
-        at once, and then :meth:`settle` (or :meth:`release`) drops the group.
-        Local, idempotent; never waits (:meth:`release` waits for the drops).
+        is held and False is returned: the collective in flight ends (it
+        completes, or fails when a peer's connections close), and then
+        :meth:`settle` closes the connections. Local, idempotent.
         """
         with self._lock:
-            if self._inner is None:
+            inner = self._inner
+            if inner is None:
                 return self._held is None
             self._released_because = because
-            busy = self._busy()  # before the shut, which ends the collective in flight
-            self.shut()
-            if busy:
-                self._held, self._inner = self._inner, None
-                return False
-            box = [self._inner]
             self._inner = None
+            if self._busy():
+                self._held = inner
+                return False
             handles, self._handles = list(self._given), []
             self._let_go(handles)
-            self._drop(box)  # nothing in flight: its destructor waits for nothing
+        del inner  # nothing in flight: the last reference, gloo closes its sockets here
         return True
 
     def settle(self) -> bool:
@@ -450,15 +393,15 @@ class ClosableGroup(dist.ProcessGroup):
         meshes it guards.
         """
         with self._lock:
-            if self._held is None:
+            held = self._held
+            if held is None:
                 return True
             if self._busy():
                 return False
-            box = [self._held]
             self._held = None
             handles, self._handles = list(self._given), []
             self._let_go(handles)
-            self._drop(box)  # its collective has ended: the destructor waits for nothing
+        del held  # the last reference: gloo closes its sockets here
         return True
 
     def _let_go(self, handles: list[Handle]) -> None:
@@ -676,9 +619,7 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     group size, the timeout, the group's name and its global ranks.
     """
     store, group_rank, group_size = options.store, options.group_rank, options.group_size
-    before = gloo_sockets.sockets_now()
     backend = dist.ProcessGroupGloo(store, group_rank, group_size, options.timeout)
-    connections = gloo_sockets.connections_since(before, group_size)
     # What torch's own gloo branch sets on the options, where this torch has them.
     with contextlib.suppress(AttributeError):
         backend.options.global_ranks_in_group = options.global_ranks_in_group
@@ -688,8 +629,6 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     group = ClosableGroup(inner)
-    group.connections = connections
-    group._close_limit = options.timeout.total_seconds() + 60.0
     stand_in = _stand_in(group_rank, group_size)  # register() made sure this torch has one
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     device = torch.device(STAND_IN_DEVICE)  # never "cpu": see _stand_in

@@ -300,11 +300,6 @@ class GroupTable:
         """Destroy ``groups`` that torch made for a scope (never registered here), in the
         order given; no communication. Returns the failures, first first."""
         errors: list[Exception] = []
-        groups = list(groups)
-        closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded with the first gloo group
-        for group in groups:  # every gloo group's drop under way first: they end together
-            if closable is not None and isinstance(group, closable.ClosableGroup):
-                group.release_soon()
         for group in groups:
             if group in self._adopted:
                 self._adopted.remove(group)
@@ -327,23 +322,14 @@ class GroupTable:
 
 def _interrupt(groups: list[dist.ProcessGroup], because: str) -> list[Exception]:
     """Shut ``groups`` down: interrupt the closable gloo groups, abort the others (NCCL's, in
-    one group call). Returns the failures, first first; every group is tried.
-
-    Every gloo group's connections are shut before any group is dropped (dropping one
-    joins its threads, milliseconds each): peers blocked on any of them are all
-    released at once, not one group after another."""
+    one group call). Returns the failures, first first; every group is tried."""
     closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded with the first gloo group
-    gloo: list[Any] = []
     others: list[dist.ProcessGroup] = []
     for group in groups:
         if closable is not None and isinstance(group, closable.ClosableGroup):
-            gloo.append(group)
+            group.interrupt(because)
         else:
             others.append(group)
-    for group in gloo:
-        group.shut()
-    for group in gloo:
-        group.interrupt(because)
     return _nccl.abort_groups(others)
 
 

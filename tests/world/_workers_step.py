@@ -113,7 +113,7 @@ def _kill(store: Any) -> None:
 
 def every_step_commits(rank: int, world: int, rounds: int) -> dict[str, Any]:
     """``rounds`` scoped blocks in a row, each a guarded mesh with three steps: all commit."""
-    verdicts, groups = [], []
+    verdicts = []
     with LivenessWatch(interval=0.02, timeout=60) as watch:
         for _ in range(rounds):
             with watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=60)) as mesh:
@@ -123,8 +123,7 @@ def every_step_commits(rank: int, world: int, rounds: int) -> dict[str, Any]:
                         grad = _train(mesh, w, i)
                     verdicts.append(s.committed)
                     w += grad
-                groups.append(len(mesh._table.groups()))
-        return {"verdicts": verdicts, "committed": watch.committed, "groups": groups}
+        return {"verdicts": verdicts, "committed": watch.committed}
 
 
 def doubt_on_one_rank(rank: int, world: int, at: int) -> dict[str, Any]:

@@ -17,10 +17,8 @@ How the verdict is reached, at the block's end, on each member:
    mesh was aborted at any moment since the block began (a death the watch
    learned). On CUDA the device is synchronised first, so a collective that
    an abort cut short, which on NCCL looks done, is seen as the abort it was.
-2. **The vote.** An ``all_reduce`` (MAX) of that flag along each axis of the
-   mesh in turn, over its own gloo groups, which is the MAX over all its ranks
-   (on a mesh of another backend, one over a gloo group of all its ranks:
-   :func:`vote_groups`). Completed, with no abort since: the step committed
+2. **The vote.** One ``all_reduce`` (MAX) of that flag over a gloo group of
+   all the mesh's ranks. Completed, with no abort since: the step committed
    (all flags 0) or failed (one was not) on every member, alike.
 3. **Doubt.** A member whose vote did not complete (a death cut it short)
    cannot know whether a peer's vote did. It asks every member to answer: each
@@ -66,7 +64,7 @@ from scopedmesh.fault.protocol.verdict import NONE, OTHER, RUNTIME, STOP_GRACE, 
 from scopedmesh.layout import Axis
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
 
-__all__ = ["STOP_GRACE", "Step", "StepWatch", "vote_groups"]
+__all__ = ["STOP_GRACE", "Step", "StepWatch"]
 
 
 class StepWatch(Protocol):
@@ -101,15 +99,17 @@ class Step:
         self.error: BaseException | None = None  # what the block raised here, if anything
         self.lost: frozenset[int] = frozenset()
         self.healed = False
-        self._vote_groups: list[dist.ProcessGroup] | None = None
+        self._vote_group: dist.ProcessGroup | None = None
 
     def __enter__(self) -> Step:
         if self.committed is not None:
             raise RuntimeError("a Step runs once; ask the watch for a new one (watch.step)")
         try:  # formed before the step's collectives, in the same order on every member
-            self._vote_groups = vote_groups(self.mesh)
+            self._vote_group = self.mesh.get_group_along_axis(
+                tuple(range(len(self.mesh.shape))), backend=_vote_backend(self.mesh)
+            )
         except RuntimeError:  # aborted already (MeshClosedError), or a peer died forming it
-            self._vote_groups = None
+            self._vote_group = None
         return self
 
     def __exit__(
@@ -125,7 +125,7 @@ class Step:
         raised = NONE if exc is None else RUNTIME if isinstance(exc, RuntimeError) else OTHER
         if raised == NONE and not _synchronized() and not mesh.aborted:
             mesh.abort(f"when rank {watch.rank}'s device failed to synchronise")
-        verdict = watch._verdict(mesh, raised, self._vote_groups is not None, self._vote)
+        verdict = watch._verdict(mesh, raised, self._vote_group is not None, self._vote)
         self.committed = verdict.committed
         if not verdict.agreed:
             return False  # decided by the vote; an exception of this rank's step is raised
@@ -140,22 +140,23 @@ class Step:
 
     def _vote(self, flag: int) -> int | None:
         """The MAX of every member's flag, or None where the vote did not complete here."""
-        if self._vote_groups is None:
+        if self._vote_group is None:
             return None
         vote = torch.tensor([flag], dtype=torch.int64)
         try:
-            for group in self._vote_groups:  # a MAX along each axis in turn: over every rank
-                work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group, async_op=True)
-                # Left as soon as the mesh is aborted: a vote blocked on a dead peer would
-                # end only as the failure spreads from group to group.
-                pause = 0.00005
-                while work is not None and not work.is_completed():
-                    if self.mesh.aborted:
-                        return None
-                    time.sleep(pause)
-                    pause = min(2 * pause, 0.002)
-                if work is not None:
-                    work.wait()
+            work = dist.all_reduce(
+                vote, op=dist.ReduceOp.MAX, group=self._vote_group, async_op=True
+            )
+            # Left as soon as the mesh is aborted: a vote blocked on a dead peer would end
+            # only as the failure spreads from group to group, one watch interval a hop.
+            pause = 0.00005
+            while work is not None and not work.is_completed():
+                if self.mesh.aborted:
+                    return None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
+            if work is not None:
+                work.wait()
         except RuntimeError:  # cut short by an abort, a peer's death or a peer's stop
             return None
         return int(vote.item())
@@ -165,21 +166,10 @@ class Step:
         return f"<Step on {self.mesh!r}: {verdict}>"
 
 
-def vote_groups(mesh: ProcessGroupMesh) -> list[dist.ProcessGroup]:
-    """The groups a step's vote all-reduces over, in turn: a MAX along every axis of more
-    than one rank is the MAX over all the mesh's ranks.
-
-    On a gloo mesh these are its own groups along each axis, which its step uses
-    anyway: the vote forms no group of all its ranks (one formation less on a
-    heal's path, where a re-formed mesh forms every group anew). On a mesh of
-    another backend, one gloo group of all its ranks.
-    """
+def _vote_backend(mesh: ProcessGroupMesh) -> str | None:
+    """The backend of the vote's group: the mesh's own where it has gloo, else gloo."""
     chosen = mesh.backend or dist.get_backend()
-    if "gloo" not in str(chosen):
-        groups = [mesh.get_group_along_axis(tuple(range(len(mesh.shape))), backend="gloo")]
-    else:
-        groups = [mesh.get_group_along_axis(a) for a, size in enumerate(mesh.shape) if size > 1]
-    return [group for group in groups if group is not None]  # None: not a member (never here)
+    return None if "gloo" in str(chosen) else "gloo"
 
 
 def _synchronized() -> bool:
