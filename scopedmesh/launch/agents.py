@@ -2,7 +2,10 @@
 
 :class:`ReplicaAgents` runs ``python -m torch.distributed.run --nnodes 1
 --nproc-per-node P --max-restarts N --rdzv-backend c10d --rdzv-endpoint
-127.0.0.1:<free port>`` for each replica this host runs: each replica is a world of
+127.0.0.1:0`` for each replica this host runs (port 0: each agent's rendezvous store
+binds a port of its own; a port picked free beforehand can be taken by then, and an
+agent that found another's store there joined that rendezvous and waited on it): each
+replica is a world of
 its own, and when one of its ranks dies torchrun stops the others and starts the
 replica again as a fresh world (``--max-restarts``). Every agent gets
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each start of a replica's workers gets a
@@ -178,12 +181,13 @@ class ReplicaAgents:
         self._lock = threading.Lock()
 
     def agent_command(self) -> list[str]:
-        """The torchrun command line of one replica's agent (a fresh rendezvous port each)."""
+        """The torchrun command line of one replica's agent (its rendezvous store binds a
+        port of its own: port 0)."""
         return [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "1", "--nproc-per-node", str(self.nproc),
             "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
             *self.command,
         ]  # fmt: skip
 
