@@ -70,7 +70,7 @@ def held_then_settled(rank: int, world: int, settle: bool) -> dict[str, Any]:
     nobody interrupted, goes on to a second all_reduce on the group. Rank 1
     then settles the group (if ``settle``) and waits until rank 0 is done
     before closing its mesh. Returns how rank 0's second all_reduce ended: a
-    closed connection at once, or (held open) the group's 20 s timeout.
+    closed connection at once, or (held open) the group's 8 s timeout.
     """
     import torch
     import torch.distributed as dist
@@ -80,7 +80,7 @@ def held_then_settled(rank: int, world: int, settle: bool) -> dict[str, Any]:
 
     store = _c10d.default_store()
     out: dict[str, Any] = {"rank": rank}
-    with ProcessGroupMesh(2, names=("tp",), timeout=20) as mesh:
+    with ProcessGroupMesh(2, names=("tp",), timeout=8) as mesh:
         mesh.create_groups("tp")
         (group,) = mesh._table.groups()
         assert isinstance(group, ClosableGroup)
