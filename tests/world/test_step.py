@@ -45,7 +45,15 @@ def test_an_exception_in_one_ranks_step_fails_the_step_everywhere_without_a_time
     expected = [float(sum(4 * (s + 1) for s in range(workers.STEPS)))] * 2  # tp, then dp sums
     for rank, out in enumerate(results):
         failed = [v for v in out["verdicts"] if v[1] is False]
-        assert failed == [[2, False, True, [2, 2]]], (rank, out["verdicts"])
+        healed = [v for v in out["verdicts"] if v[2]]
+        if failed or rank not in (2, 3):
+            assert failed == healed == [[2, False, True, [2, 2]]], (rank, out["verdicts"])
+        else:
+            # Ranks 2 and 3 share no collective of step 2 with rank 1 before it raises: one
+            # may still be reading step 1's vote when rank 1's stop aborts its mesh. Its vote
+            # cut short, it asks, commits step 1 (the others did) and heals in the same
+            # agreement as the others' failed step 2 (seen under a CPU burner, 2 runs in 40).
+            assert healed == [[1, True, True, [2, 2]]], (rank, out["verdicts"])
         assert out["committed"] == workers.STEPS, out
         assert out["w"] == expected, (rank, out["w"])
         assert out["seconds"] < 50, out  # far below the groups' 60 s: nobody timed out
@@ -62,7 +70,11 @@ def test_a_runtime_error_of_a_ranks_own_is_raised_on_the_second_attempt() -> Non
     results = run_world(workers.a_step_raises, 4, args=(1, 2, "RuntimeError"), timeout=120)
     for rank, out in enumerate(results):
         failed = [v for v in out["verdicts"] if v[1] is False]
-        assert failed == [[2, False, True, [2, 2]]] * 2, (rank, out["verdicts"])
+        healed = [v for v in out["verdicts"] if v[2]]
+        if rank in (2, 3) and healed[0] == [1, True, True, [2, 2]]:  # step 1's vote cut short
+            assert failed == healed[1:] == [[2, False, True, [2, 2]]], (rank, out["verdicts"])
+        else:
+            assert failed == healed == [[2, False, True, [2, 2]]] * 2, (rank, out["verdicts"])
         assert out["committed"] == workers.STEPS, out
         assert out["raised"] == (
             [2, "a bug in this rank's step", False, True] if rank == 1 else None
