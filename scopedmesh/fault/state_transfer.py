@@ -52,6 +52,7 @@ __all__ = [
     "Stateful",
     "Transfer",
     "broadcast_state",
+    "local",
     "own_tensors",
     "pack",
     "receive_state",
@@ -139,6 +140,24 @@ def wait(work: Any) -> None:
 _REF = "__scopedmesh_tensor__"
 _DTENSOR = "__scopedmesh_dtensor_shard__"
 Path = tuple[Any, ...]
+
+
+def local(value: Any) -> Any:
+    """``value`` with every DTensor replaced by this rank's shard (dicts, lists and tuples
+    walked): what a digest or a comparison of registered state reads.
+
+    >>> local({"a": [torch.ones(1)], "b": 2})
+    {'a': [tensor([1.])], 'b': 2}
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: local(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [local(v) for v in value]
+    return value
 
 
 def pack(state: Mapping[str, Stateful]) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -53,6 +53,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from scopedmesh.errors import JobFinishedError, shown
+from scopedmesh.fault.state_transfer import local
 from scopedmesh.interop.torchtitan import check_torchtitan_version
 
 __all__ = [
@@ -102,24 +103,6 @@ class ReplicasSection:
 
 
 # ------------------------------------------------------------------ registered state
-
-
-def local(value: Any) -> Any:
-    """``value`` with every DTensor replaced by this rank's shard (dicts, lists and tuples
-    walked).
-
-    >>> local({"a": [torch.ones(1)], "b": 2})
-    {'a': [tensor([1.])], 'b': 2}
-    """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: local(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [local(v) for v in value]
-    return value
 
 
 class Params:

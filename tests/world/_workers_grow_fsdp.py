@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from _workers_grow import LR, STEP, STOP, Progress, accumulate, loss_of
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from scopedmesh.c10d.store import read
 from scopedmesh.fault.replicas import Replicas
+from scopedmesh.fault.state_transfer import local
 from scopedmesh.mesh import ProcessGroupMesh
 
 
@@ -33,20 +33,9 @@ def model_of() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-def _local(value: Any) -> Any:
-    """``value`` with every DTensor replaced by this rank's shard (for digests)."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: _local(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_local(v) for v in value]
-    return value
-
-
 def _digest(state: Any) -> str:
     buffer = io.BytesIO()
-    torch.save(_local(state), buffer)
+    torch.save(local(state), buffer)
     return hashlib.sha256(buffer.getvalue()).hexdigest()
 
 
