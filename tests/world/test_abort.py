@@ -181,7 +181,7 @@ def test_a_close_never_waits_for_a_collective_in_flight() -> None:
     peer, closer = run_world(_workers_abort.closed_with_a_collective_in_flight, 2, timeout=120)
     assert peer["joined"] == "returned None", peer  # completed: rank 1's gloo was still in it
     assert closer["cut"].startswith("MeshClosedError"), closer  # its handle: shut down
-    assert closer["later"].startswith("MeshClosedError"), closer
+    assert "shut down when its mesh closed" in closer["later"], closer  # torch: not live
 
 
 @needs_interrupt
