@@ -345,8 +345,7 @@ def _interrupt(groups: list[dist.ProcessGroup], because: str) -> list[Exception]
             errors.append(error)
 
     threads = [
-        threading.Thread(target=interrupt, args=(g,), name="scopedmesh-interrupt", daemon=True)
-        for g in gloo[1:]
+        threading.Thread(target=interrupt, args=(g,), name="scopedmesh-interrupt") for g in gloo[1:]
     ]
     for thread in threads:
         thread.start()

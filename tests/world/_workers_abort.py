@@ -255,9 +255,9 @@ def interrupted_in_flight(rank: int, world: int) -> dict[str, Any]:
 
 
 def closed_with_a_collective_in_flight(rank: int, world: int) -> dict[str, Any]:
-    """Two ranks, no watch: rank 1 starts an all_reduce rank 0 has not joined and closes
-    its mesh (as a heal's re-form closes an aborted mesh whose vote is still in flight
-    in gloo); rank 0 joins only once rank 1's close has returned, so a close that waited
+    """Two ranks, no watch: rank 1 starts an all_reduce rank 0 has not joined, aborts its
+    mesh and closes it (as a heal's re-form closes an aborted mesh whose vote is still in
+    flight in gloo); rank 0 joins only once rank 1's close has returned, so a close that waited
     for the collective would wait for the group's 60 s timeout and rank 0's join would
     fail. Rank 1 reports how its handle ended and waits for its sockets to close."""
     import torch
@@ -272,6 +272,7 @@ def closed_with_a_collective_in_flight(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         open_fds = len(os.listdir("/proc/self/fd"))
         cut = dist.all_reduce(torch.ones(1), group=handle, async_op=True)
+        mesh.abort("when the test aborted it")  # a death's abort: the busy group is held
         mesh.close()
         store.set("closed/returned", "1")
         out["cut"] = _said(cut.wait)
