@@ -322,38 +322,15 @@ class GroupTable:
 
 def _interrupt(groups: list[dist.ProcessGroup], because: str) -> list[Exception]:
     """Shut ``groups`` down: interrupt the closable gloo groups, abort the others (NCCL's, in
-    one group call). Returns the failures, first first; every group is tried.
-
-    The gloo groups are interrupted together, a thread each, and all of them have been
-    on return: dropping one joins gloo's threads (10 to 80 ms under load), so one after
-    another an abort of a mesh's groups took their sum (47 ms median, 98 ms max on the
-    heal benchmark's meshes)."""
+    one group call). Returns the failures, first first; every group is tried."""
     closable = sys.modules.get("scopedmesh.c10d.closable")  # loaded with the first gloo group
-    gloo: list[Any] = []
     others: list[dist.ProcessGroup] = []
     for group in groups:
         if closable is not None and isinstance(group, closable.ClosableGroup):
-            gloo.append(group)
+            group.interrupt(because)
         else:
             others.append(group)
-    errors: list[Exception] = []
-
-    def interrupt(group: Any) -> None:
-        try:
-            group.interrupt(because)
-        except Exception as error:  # kept: the others must still go
-            errors.append(error)
-
-    threads = [
-        threading.Thread(target=interrupt, args=(g,), name="scopedmesh-interrupt") for g in gloo[1:]
-    ]
-    for thread in threads:
-        thread.start()
-    if gloo:
-        interrupt(gloo[0])  # on this thread: one group needs no other
-    for thread in threads:
-        thread.join()  # a drop of an idle group waits for nothing but gloo's threads
-    return errors + _nccl.abort_groups(others)
+    return _nccl.abort_groups(others)
 
 
 # Words of torch's store and gloo's transport when members did not meet in time.
