@@ -121,18 +121,9 @@ def _on_cpu() -> None:
 
 
 def _digest(trainer: Any) -> str:
-    from torch.distributed.tensor import DTensor
-
-    def local(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            return value.to_local()
-        if isinstance(value, dict):
-            return {k: local(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [local(v) for v in value]
-        return value
-
     import torch
+
+    from scopedmesh.fault.state_transfer import local
 
     model = trainer.model_parts[0]
     state = {

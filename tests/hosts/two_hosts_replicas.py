@@ -29,6 +29,7 @@ says why) if any check fails. Every wait is bounded (``--bound``).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -76,6 +77,10 @@ def emit(replica: int, **event: Any) -> None:
         os.close(fd)
 
 
+def stack_path(replica: int) -> Path:
+    return shared() / f"replica-{replica}.stacks"
+
+
 def events(replica: int) -> list[dict[str, Any]]:
     path = log_path(replica)
     if not path.exists():
@@ -106,6 +111,8 @@ def replica_main(args: argparse.Namespace) -> int:
     from scopedmesh.fault.replicas import Replicas
 
     replica = args.replica
+    stacks = stack_path(replica).open("w")  # host B's bound asks for them (SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -313,8 +320,14 @@ def host_main(args: argparse.Namespace, argv: list[str]) -> int:
         try:
             return proc.wait(timeout=args.bound * (args.cuts + 4))
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # its threads' stacks (faulthandler), then its end
+            time.sleep(2)
             proc.kill()
             print("host B: replica 2 still running at the bound", file=sys.stderr)
+            stacks = stack_path(CUT_REPLICA)
+            print(stacks.read_text() if stacks.exists() else "(no stacks)", file=sys.stderr)
+            last = [json.dumps(e) for e in events(CUT_REPLICA)[-12:]]
+            print("replica 2's last events:", *last, sep="\n  ", file=sys.stderr)
             return 1
     from datetime import timedelta
 

@@ -39,10 +39,16 @@ def job(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 
 @pytest.fixture
 def rank_1(job: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """A process launched as rank 1 of ``job`` that has made no mesh (it sleeps)."""
+    """A process launched as rank 1 of ``job`` that has made no mesh (it sleeps), returned
+    once it runs: until its ``exec`` is done, ``/proc`` shows it with this process's
+    environment, without ``RANK`` (under load, CI once found no rank there)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], env={**job, "RANK": "1"}
+        [sys.executable, "-c", "print('running', flush=True); import time; time.sleep(60)"],
+        env={**job, "RANK": "1"},
+        stdout=subprocess.PIPE,
     )
+    assert child.stdout is not None
+    child.stdout.readline()  # printed by the launched program: its exec is done
     yield child
     child.kill()
     child.wait()

@@ -59,7 +59,10 @@ def test_a_failed_replica_is_named_with_its_rank_and_last_lines(tmp_path: Path) 
 
 
 def test_sigterm_stops_every_agent_and_worker(tmp_path: Path) -> None:
-    script = _script(tmp_path, "print('pid', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    # One write per line: the two workers of a replica share their agent's stdout, and
+    # under torchrun's ``python -u`` a print writes its pieces one by one (seen:
+    # "pidpid 18000 18001").
+    script = _script(tmp_path, "os.write(1, f'pid {os.getpid()}\\n'.encode())\ntime.sleep(600)\n")
     proc = subprocess.Popen(
         [*LAUNCH, "--replicas", "2", "--nproc-per-replica", "2", "--", script],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
