@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.heal                    # 2x2x2, 4x2, 8x1: 20 kills each
     .venv/bin/python -m benchmarks.heal --shapes 4x4 --kills 5   # 16 ranks
     .venv/bin/python -m benchmarks.heal --against torchft  # side by side with torchft 0.2.0
+    .venv/bin/python -m benchmarks.heal --against torchft --burn  # the same, under load
     .venv/bin/python -m benchmarks.heal --backend nccl     # on a GPU host (benchmarks.heal_nccl)
     .venv/bin/python -m benchmarks.heal --grow             # grow back (benchmarks.grow)
 
@@ -30,6 +31,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from benchmarks import heal_random
-from benchmarks.heal_common import PHASES, load, reference, summary
+from benchmarks.heal_common import PHASES, burners, load, reference, summary
 from benchmarks.heal_plan import (
     NAMES,
     SHAPE,
@@ -100,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--grow", action="store_true", help="grow back: kill, restart, rejoin (benchmarks.grow)"
     )
+    parser.add_argument(
+        "--burn", action="store_true", help="under load: a CPU burner per core beside the run"
+    )
     parser.add_argument("--bound", action="store_true", help="nccl: WORLD bound to the device")
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="nccl: the same code on gloo, on the CPU"
@@ -109,6 +114,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.burn:
+        count = os.cpu_count() or 1
+        print(f"under load: {count} CPU burners (one per core) beside the run", flush=True)
+        with burners(count):
+            return run(args, argv)
+    return run(args, argv)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The mode ``args`` asks for (:func:`mode`), or the outside kills on gloo."""
     other = mode(args)
     if other is not None:
         module: Any = importlib.import_module(other)
@@ -120,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.monotonic(), load()
     every: list[list[float]] = []
     record: list[dict[str, Any]] = []
+    all_kills: list[heal_random.Kill] = []
     shapes = args.shapes.split(",")
     for shape in shapes:
         plan = heal_random.plan_for(shape, timeout=args.timeout)
@@ -136,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         rows = []
+        kills: list[heal_random.Kill] = []
         mid = 0
         for number in range(args.kills):
             kill = heal_random.launch(plan, rng)
             heal_random.check(kill, plan)
             row = heal_random.phases(kill)
             rows.append(row)
+            kills.append(kill)
             mid += kill.where.endswith("all_reduce")
             raised = ", ".join(heal_random.survivor_errors(kill))
             print(
@@ -158,15 +176,19 @@ def main(argv: list[str] | None = None) -> int:
                     "where": kill.where,
                     "delay": kill.delay,
                     "phases": dict(zip(PHASES, row)),
+                    "breakdown": dict(zip(heal_random.BREAKDOWN, heal_random.breakdown(kill))),
+                    "step_before_kill": kill.per_step,
                     "raised_in": raised,
                     "launcher_marks": kill.marks,
                 }
             )
         every += rows
+        all_kills += kills
         print(
             f"{shape}: {summary(rows)}; killed inside a collective {mid} of {len(rows)}; {load()}",
             flush=True,
         )
+        print(f"{shape} {heal_random.breakdown_line(kills)}", flush=True)
     wall = time.monotonic() - started
     if args.out:
         args.out.write_text(
@@ -184,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             + "\n"
         )
+    print(f"heal {heal_random.breakdown_line(all_kills)}", flush=True)
     print(f"wall {wall:.0f} s; {load_before} before, {load()} after", flush=True)
-    print(f"heal: {summary(every)}")
+    print(f"heal: {summary(every)}")  # the last line, as tests/world/test_benchmarks.py reads it
     return 0
 
 

@@ -15,13 +15,15 @@ data parallelism on one process) is the truth a healed run must match.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -179,6 +181,38 @@ class Ranks:
 def rank_reports(outdir: str | Path) -> dict[int, Any]:
     """Each rank's report (``rank<N>.json`` in ``outdir``), by rank."""
     return {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(outdir).glob("rank*.json")}
+
+
+def _burn(stop: Any) -> None:
+    """Spin until ``stop`` is set: one core's worth of load beside a run."""
+    count = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            count += 1
+
+
+@contextlib.contextmanager
+def burners(count: int) -> Iterator[None]:
+    """``count`` processes that keep a core busy each while the block runs (``--burn``:
+    one per core, a run under load); all ended and reaped on leaving it.
+
+    >>> with burners(0):
+    ...     pass
+    """
+    context = multiprocessing.get_context("fork")
+    stop = context.Event()
+    procs = [context.Process(target=_burn, args=(stop,), daemon=True) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 def load() -> str:

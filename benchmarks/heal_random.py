@@ -237,6 +237,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     status = Status(Path(outdir, "status"), world)
     report: dict[str, Any] = {"rank": rank}
     watch = LivenessWatch(interval=plan["interval"], timeout=plan["agree_timeout"])
+    verdict_marks = _time_the_verdict()
     mesh = watch.guard(ProcessGroupMesh(*shape, names=names, timeout=plan["timeout"]))
     mesh.create_groups(*names)
     dist.barrier()  # every watch linked, every group formed
@@ -279,6 +280,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
             status.set(rank, step, "healing")
             event: dict[str, Any] = {"step": step, "in": where[0], **failure}
             event["agreed_at"], event["lost"] = time.time(), sorted(verdict.lost)
+            event.update(verdict_marks)
             mesh.create_groups(*names)
             event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
             events.append(event)
@@ -306,6 +308,47 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     return report
 
 
+def _time_the_verdict() -> dict[str, float]:
+    """Note, in the dict returned, when this rank's last vote ended (``voted_at``), when its
+    verdict was decided (``decided_at``: the step's agreement, if any, is over) and when the
+    old mesh was closed (``closed_at``). The benchmark's own wrappers around the library's
+    ``Step._vote`` and the ``reform`` a step calls, in this forked rank only."""
+    from scopedmesh.fault.liveness import step as step_module
+
+    marks: dict[str, float] = {}
+    vote, reform = step_module.Step._vote, step_module.reform
+
+    def timed_vote(self: Any, flag: int) -> int | None:
+        try:
+            return vote(self, flag)
+        finally:
+            marks["voted_at"] = time.time()
+
+    def timed_reform(mesh: Any, lost: Any, axis: Any) -> Any:
+        marks["decided_at"] = time.time()
+        try:
+            return reform(mesh, lost, axis)
+        finally:
+            marks["closed_at"] = time.time()
+
+    from scopedmesh.mesh import group_table
+
+    interrupt = group_table._interrupt
+
+    def timed_interrupt(groups: Any, because: str) -> Any:
+        began = time.perf_counter()
+        try:
+            return interrupt(groups, because)
+        finally:
+            took = time.perf_counter() - began
+            marks["abort_s"] = marks.get("abort_s", 0.0) + took
+
+    step_module.Step._vote = timed_vote  # type: ignore[method-assign]
+    step_module.reform = timed_reform
+    group_table._interrupt = timed_interrupt
+    return marks
+
+
 # ============================================================ the launcher
 
 
@@ -321,6 +364,7 @@ class Kill:
     reports: dict[int, dict[str, Any]]
     exitcodes: dict[int, int | None]
     marks: dict[str, float]  # the launcher's clock: started, warm, killed, ended
+    per_step: float = math.nan  # the slowest rank's step time before the kill
 
 
 def step_time(
@@ -381,6 +425,7 @@ def launch(
         reports,
         ranks.exitcodes,
         {k: v - marks["started"] for k, v in marks.items()},
+        per_step,
     )
 
 
@@ -451,6 +496,47 @@ def phases(kill: Kill) -> list[float]:
     return [max(row[i] for row in rows) - kill.killed_at for i in range(len(PHASES))]
 
 
+# Where the heal's time goes, finer than PHASES: the step's vote ended, the verdict was
+# decided (the agreement over), the old mesh closed; "agree" of PHASES is "closed".
+BREAKDOWN = ("detect", "abort", "voted", "decided", "closed", "re-form", "first step")
+
+
+def breakdown(kill: Kill) -> list[float]:
+    """Seconds from the kill to each of :data:`BREAKDOWN`, for the latest survivor."""
+    keys = ("", "error_at", "voted_at", "decided_at", "closed_at", "reformed_at", "first_step_at")
+    rows = []
+    for report in survivors_on(kill).values():
+        event = report["events"][0]
+        learned = report["learned"].get(str(kill.victim))
+        row = [learned if learned is not None else math.nan]
+        rows.append(row + [event.get(key, math.nan) for key in keys[1:]])
+    return [max(row[i] for row in rows) - kill.killed_at for i in range(len(BREAKDOWN))]
+
+
+def breakdown_line(kills: Sequence[Kill]) -> str:
+    """The medians of :func:`breakdown` over ``kills``, each phase with its share of the
+    time since the one before, and the median step time before the kill."""
+    import statistics
+
+    rows = [breakdown(kill) for kill in kills]
+    medians = [statistics.median(row[i] for row in rows) for i in range(len(BREAKDOWN))]
+    parts, before = [], 0.0
+    for name, at in zip(BREAKDOWN, medians):
+        parts.append(f"{name} {at:.3f} (+{1000 * (at - before):.0f} ms)")
+        before = at
+    step = statistics.median(kill.per_step for kill in kills)
+    aborts = [
+        max(r["events"][0].get("abort_s", 0.0) for r in survivors_on(kill).values())
+        for kill in kills
+    ]
+    return (
+        "breakdown, medians: "
+        + ", ".join(parts)
+        + f"; a step before the kill {step:.3f} s; aborting the groups took "
+        + f"{1000 * statistics.median(aborts):.0f} ms (max {1000 * max(aborts):.0f})"
+    )
+
+
 def plan_for(shape: str, *, timeout: float, interval: float = 0.02) -> dict[str, Any]:
     dims, names = SHAPES[shape]
     return {
@@ -469,4 +555,14 @@ def survivor_errors(kill: Kill) -> list[str]:
     return sorted({report["events"][0]["in"] for report in survivors_on(kill).values()})
 
 
-__all__: Sequence[str] = ("SHAPES", "Kill", "check", "launch", "phases", "plan_for")
+__all__: Sequence[str] = (
+    "BREAKDOWN",
+    "SHAPES",
+    "Kill",
+    "breakdown",
+    "breakdown_line",
+    "check",
+    "launch",
+    "phases",
+    "plan_for",
+)

@@ -342,16 +342,19 @@ def main(args: argparse.Namespace) -> int:
     print(f"wall {wall:.0f} s; {load_before} before, {load()} after", flush=True)
     ratios = ", ".join(f"{name} {medians[name] / ours:.1f}x" for name in CONFIGS)
     fastest = min((m for n, m in medians.items() if n in CONFIGS and m == m), default=math.nan)
-    verdict = "met" if ours <= fastest / 2 else "missed"
+    goal = 4 if args.burn else 5  # issue 45: 5x on a quiet machine, 4x under load
+    verdict = "met" if ours * goal <= fastest else "missed"
+    burn = ", under load (a CPU burner per core)" if args.burn else ""
     print(
-        f"heal vs torchft: scopedmesh median {ours:.3f} s; torchft's median over ours: {ratios} "
-        f"(goal, ours at most half of torchft's fastest: {verdict})"
+        f"heal vs torchft{burn}: scopedmesh median {ours:.3f} s; torchft's median over ours: "
+        f"{ratios} (goal, torchft's fastest median at least {goal}x ours: {verdict})"
     )
     if args.out:
         args.out.write_text(
             json.dumps(
                 {
-                    "command": "python -m benchmarks.heal --against torchft",
+                    "command": "python -m benchmarks.heal --against torchft"
+                    + (" --burn" if args.burn else ""),
                     "torch": torch.__version__,
                     "torchft_configs": CONFIGS,
                     "wall_s": wall,

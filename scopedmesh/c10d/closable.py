@@ -341,20 +341,38 @@ class ClosableGroup(dist.ProcessGroup):
             )
         return inner
 
-    def release(self, because: str = "when its mesh closed") -> None:
+    def release(self, because: str = "when its mesh closed") -> bool:
         """Drop the inner group: its sockets close and its threads end (local, idempotent).
 
-        The caller's thread waits here for a collective still in flight (gloo's
-        destructor does); a mesh's close is the one caller.
+        Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
+        The group is dropped here (gloo's destructor waits for a collective in
+        flight) and True is returned, except a group :meth:`interrupt` held
+        (its mesh was aborted while a collective was in flight, and it has not
+        ended in gloo yet): that one is dropped on a thread of its own, which
+        ends when the collective does (it fails as its peers' connections close,
+        at the latest at the group's timeout), and False is returned. A mesh's
+        close is the one caller: a heal's re-form never waits for a collective
+        the death left behind. The thread is not a daemon: the process waits
+        for it at exit (a gloo group destroyed as the interpreter ends aborts
+        the process: ``terminate called without an active exception``).
         """
         with self._lock:
             if self._inner is not None:
                 self._released_because = because
+            held_busy = self._held is not None and self._busy()
             handles, self._handles = list(self._given), []
-            inner, held = self._inner, self._held
+            box = [group for group in (self._inner, self._held) if group is not None]
             self._inner = self._held = None
             self._let_go(handles)
-        del inner, held  # the last references: gloo closes its sockets here
+        if held_busy:
+            threading.Thread(
+                target=box.clear,  # the last references: gloo's destructor runs there
+                name="scopedmesh-gloo-close",
+                daemon=False,
+            ).start()
+            return False
+        del box  # the last references: gloo closes its sockets here
+        return True
 
     def interrupt(self, because: str) -> bool:
         """Shut the group down from another thread, without waiting for a collective on it.

@@ -7,7 +7,9 @@ once rank 1 has written ``started`` (the collectives it checks are in flight).
 
 from __future__ import annotations
 
+import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +251,37 @@ def interrupted_in_flight(rank: int, world: int) -> dict[str, Any]:
             out["cut"] = _report(cut, torch.zeros(1))
             out["cut future taken before"] = _said(future.wait)
             out["kept"] = _report(kept, done)
+    return out
+
+
+def closed_with_a_collective_in_flight(rank: int, world: int) -> dict[str, Any]:
+    """Two ranks, no watch: rank 1 starts an all_reduce rank 0 has not joined, aborts its
+    mesh and closes it (as a heal's re-form closes an aborted mesh whose vote is still in
+    flight in gloo); rank 0 joins only once rank 1's close has returned, so a close that waited
+    for the collective would wait for the group's 60 s timeout and rank 0's join would
+    fail. Rank 1 reports how its handle ended and waits for its sockets to close."""
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    store = _c10d.default_store()
+    out: dict[str, Any] = {}
+    mesh = ProcessGroupMesh(2, names=("tp",), timeout=60)
+    handle = mesh.get_group_along_axis("tp")
+    if rank == 1:
+        open_fds = len(os.listdir("/proc/self/fd"))
+        cut = dist.all_reduce(torch.ones(1), group=handle, async_op=True)
+        mesh.abort("when the test aborted it")  # a death's abort: the busy group is held
+        mesh.close()
+        store.set("closed/returned", "1")
+        out["cut"] = _said(cut.wait)
+        _until(lambda: len(os.listdir("/proc/self/fd")) < open_fds, "the group's sockets to close")
+        out["later"] = _said(lambda: dist.all_reduce(torch.ones(1), group=handle))
+    else:
+        store.wait(["closed/returned"], timedelta(seconds=60))
+        out["joined"] = _said(lambda: dist.all_reduce(torch.ones(1), group=handle))
+        mesh.close()
     return out
 
 

@@ -170,6 +170,21 @@ def test_a_collective_cut_short_by_an_interrupt_never_reports_success() -> None:
 
 
 @needs_interrupt
+def test_closing_an_aborted_mesh_never_waits_for_a_collective_in_flight() -> None:
+    """Closing an aborted mesh whose gloo group has a collective in flight returns without
+    waiting for it (gloo's destructor would: a heal's re-form waited so for the vote a
+    death left behind); the group goes, sockets and all, once the collective ends."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    peer, closer = run_world(_workers_abort.closed_with_a_collective_in_flight, 2, timeout=120)
+    assert peer["joined"] == "returned None", peer  # completed: rank 1's gloo was still in it
+    assert closer["cut"].startswith("MeshClosedError"), closer  # its handle: shut down
+    assert "shut down when the test aborted it" in closer["later"], closer  # torch: not live
+
+
+@needs_interrupt
 def test_point_to_point_through_c10d_on_an_aborted_or_closed_group_fails() -> None:
     """Issue 37, item 1: ``torch.ops.c10d.recv_`` on a shut-down mesh group returned at
     once, its work done and its buffer untouched (the stand-in backend's ``send``,

@@ -249,6 +249,9 @@ def test_heal_benchmark_kills_from_outside_and_prints_its_lines(tmp_path: Path) 
     assert row, lines[2]
     assert re.fullmatch(rf"4x1: {HEAL_SUMMARY.format(n=1)}; killed inside .*", lines[3]), lines[3]
     assert re.fullmatch(rf"heal: {HEAL_SUMMARY.format(n=1)}", lines[-1]), lines[-1]
+    breakdown = r"breakdown, medians: detect -?\d\.\d{3} \(\+-?\d+ ms\), abort .*"
+    assert re.fullmatch(rf"4x1 {breakdown}", lines[4]), lines[4]
+    assert re.fullmatch(rf"heal {breakdown}", lines[-3]), lines[-3]
     record = json.loads(out.read_text())
     (kill,) = record["kills"]
     assert kill["victim"] == int(row.group(1)) and kill["where"] == row.group(2).strip()
