@@ -57,6 +57,9 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
         raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
     layout = shrink(mesh.layout, lost, axis)
     standby, mesh._table.standby = mesh._table.standby, None  # formed ahead: for the survivors
+    # A survivor's close leaves the aborted NCCL communicators' teardown (0.4-0.5 s each on
+    # an H200) to a thread; the new mesh's close waits for it (GroupTable.finish).
+    mesh._table.hand_over = mesh.rank in layout
     mesh.close()
     if mesh.rank not in layout:
         if standby is not None:
@@ -69,6 +72,7 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
         layout, backend=mesh.backend, timeout=mesh.timeout, pg_options=mesh.pg_options
     )
     healed._table.fresh_communicators = True  # WORLD holds the lost ranks: never split from it
+    healed._table.inherit(mesh._table)
     healed._table.standby = standby  # its requests take these (scopedmesh.mesh.standby)
     return healed
 

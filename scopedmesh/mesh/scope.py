@@ -161,6 +161,11 @@ class Scope:
             if self.parent is None and self.table.standby is not None:  # the root: nobody else
                 standby, self.table.standby = self.table.standby, None  # (reform took it first)
                 standby.close()
+            if self.parent is None:  # the mesh it replaced: its communicators' teardown is over
+                try:
+                    self.table.finish()
+                except TimeoutError as error:
+                    errors.append(error)
             if self.bound:
                 from scopedmesh.c10d.device_mesh import forget_closed_meshes  # loaded already
 

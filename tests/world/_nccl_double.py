@@ -30,14 +30,21 @@ class Log:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str, int]] = []
+        self.thread_names: dict[int, str] = {}  # ident -> name, of the threads in events
         self._lock = threading.Lock()
         self._timeout: timedelta | None = None  # read by DeviceMesh as backend options
         self.looks_done = False  # whether an aborted collective looks done, as on NCCL
         self.group_call = True  # False: no NCCL group call, as torch 2.14+'s nccl2 has none
+        # NCCL's abort: the kernels in flight exit at once, the teardown takes its time
+        # (0.5 s on an H200), and a destroy meanwhile waits for it (torch's lock on the
+        # communicator). Cleared, an abort's teardown lasts until it is set again.
+        self.teardown = threading.Event()
+        self.teardown.set()
 
     def add(self, what: str, name: str) -> None:
         with self._lock:
             self.events.append((what, name, threading.get_ident()))
+            self.thread_names[threading.get_ident()] = threading.current_thread().name
 
     def copy(self) -> list[tuple[str, str, int]]:
         with self._lock:
@@ -110,10 +117,16 @@ class RecordingGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self._log.add("abort", self._name)
-        self._aborted.set()
+        self._aborted.set()  # the kernels in flight exit
+        if not self._log.teardown.wait(60):
+            raise TimeoutError("the double's abort: its teardown was never let go (60 s)")
+        self._log.add("abort_done", self._name)
 
     def shutdown(self) -> None:
         self._aborted.set()
+        if not self._log.teardown.wait(20):  # torch's lock on the communicator
+            raise TimeoutError(f"the double's group {self._name} was destroyed during its abort")
+        self._log.add("shutdown", self._name)
 
     def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
         if self._log.looks_done:

@@ -72,14 +72,12 @@ def aborted_from_the_watch(rank: int, world: int) -> dict[str, Any] | None:
     if rank == VICTIM:
         wait_for(lambda: False, 60, "the SIGKILL")  # killed while it waits
     wait_for(lambda: ("group_end", "") in [e[:2] for e in log.copy()], 30, "the abort")
-    events = [event for event in log.copy() if event[0] != "made"]  # the abort's alone
-    threads = {watch._thread.ident, watch._waiter.ident}  # the ring's, the store's
+    events = [e for e in log.copy() if e[0] in ("group_start", "abort", "group_end")]
     out: dict[str, Any] = {
         "events": [what for what, _, _ in events],
         "aborted": sorted(name for what, name, _ in events if what == "abort"),
-        # one group call, on one of the watch's threads (the ring's or the store's)
-        "on_watch_thread": len({ident for _, _, ident in events}) == 1
-        and all(ident in threads for _, _, ident in events),
+        # one group call, on the thread the watch's abort started for it (GroupTable.abort)
+        "abort_threads": sorted({log.thread_names[ident] for _, _, ident in events}),
         "held": sorted({names[g] for g in [*groups.values(), *_own(mesh)]}),
         "gloo_released": bool(getattr(gloo, "released", False)),
         "kept": {},
@@ -153,6 +151,40 @@ def healed_from_standby(rank: int, world: int, group_call: bool) -> dict[str, An
     out["released"] = sorted(aborted) == left and len(left) == 2
     healed.close()  # the standby groups go with it
     out["left_after_close"] = again.groups
+    watch.close()
+    return out
+
+
+def heal_during_a_slow_abort(rank: int, world: int) -> dict[str, Any] | None:
+    """A guarded mesh of 4 along dp on the double, whose aborts tear down until told (as
+    NCCL's takes 0.5 s); rank 3 is SIGKILLed. The survivors heal (``watch.heal``) with
+    every abort still tearing down, then let the teardown end and close the healed mesh.
+    Returns whether the heal returned meanwhile and the order of each old group's abort
+    and destroy."""
+    register()
+    store = _c10d.default_store()
+    store.set(f"nccl/{rank}/pid", str(os.getpid()))
+    log = Log()
+    log.teardown.clear()
+    watch = LivenessWatch(interval=0.02, timeout=60)
+    mesh = watch.guard(ProcessGroupMesh(world, names=("dp",), backend=BACKEND, pg_options=log))
+    old = dist.distributed_c10d._world.pg_names[mesh.get_group_along_axis("dp")]
+    if rank == 0:
+        threading.Thread(target=_kill_from_outside, args=(store, VICTIM), daemon=True).start()
+    store.add("nccl/ready", 1)
+    if rank == VICTIM:
+        wait_for(lambda: False, 60, "the SIGKILL")  # killed while it waits
+    wait_for(lambda: ("abort", old) in [e[:2] for e in log.copy()], 30, "the abort")
+    healed = watch.heal(mesh, "dp", tag="slow-abort")  # with the old group's abort unfinished
+    during = [what for what, name, _ in log.copy() if name == old and what != "made"]
+    log.teardown.set()
+    healed.close()  # waits for the old group's teardown and destroy (GroupTable.finish)
+    out = {
+        "healed": sorted(healed.layout.ranks),
+        "during_heal": during,
+        "after_close": [w for w, name, _ in log.copy() if name == old and w != "made"],
+        "old_left": old in dist.distributed_c10d._world.pg_names.values(),
+    }
     watch.close()
     return out
 
