@@ -331,21 +331,21 @@ def _time_the_verdict() -> dict[str, float]:
         finally:
             marks["closed_at"] = time.time()
 
-    from scopedmesh.mesh import group_table
+    from scopedmesh.mesh.group_table import GroupTable
 
-    interrupt = group_table._interrupt
+    shut_down = GroupTable._shut_down
 
-    def timed_interrupt(groups: Any, because: str) -> Any:
+    def timed_shut_down(table: GroupTable, groups: Any) -> None:
         began = time.perf_counter()
         try:
-            return interrupt(groups, because)
+            shut_down(table, groups)
         finally:
             took = time.perf_counter() - began
             marks["abort_s"] = marks.get("abort_s", 0.0) + took
 
     step_module.Step._vote = timed_vote  # type: ignore[method-assign]
     step_module.reform = timed_reform
-    group_table._interrupt = timed_interrupt
+    GroupTable._shut_down = timed_shut_down  # type: ignore[method-assign]
     return marks
 
 
@@ -405,7 +405,9 @@ def launch(
         with contextlib.closing(status), Ranks(child, args, timeout) as ranks:
             per_step, steps = step_time(status, world, warm_steps, ranks.deadline, ranks.procs)
             if per_step is None:
-                raise RuntimeError(f"the world did not warm up (steps {steps})")
+                time.sleep(0.5)  # a rank that failed is writing its report
+                why = {r: o.get("unexpected", o) for r, o in rank_reports(outdir).items()}
+                raise RuntimeError(f"the world did not warm up (steps {steps}); reports: {why}")
             marks["warm"] = time.monotonic()
             delay = rng.uniform(0.0, window_steps * per_step)
             time.sleep(delay)
