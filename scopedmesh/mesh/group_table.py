@@ -322,9 +322,10 @@ class GroupTable:
         order given; no communication. Returns the failures, first first.
 
         Once the table is aborted, an NCCL group is destroyed only after its abort
-        ended (a destroy during the abort corrupted the heap on an H200): here, once
-        the abort is over (:meth:`finish`), or, where :attr:`hand_over` is set, on a
-        thread that waits for it (its failures go to :attr:`abort_failures`).
+        ended (a destroy racing the abort is the suspect of a heap corruption seen on
+        an H200, docs/GPU.md): here, once the abort is over (:meth:`finish`), or, where
+        :attr:`hand_over` is set, on a thread that waits for it (its failures go to
+        :attr:`abort_failures`).
         """
         chosen = list(groups)
         for group in chosen:
@@ -335,7 +336,10 @@ class GroupTable:
             self._then(functools.partial(_destroy_all, aborted), "scopedmesh-nccl-destroy")
             return _destroy_all([g for g in chosen if g not in aborted])
         if aborted:
-            self.finish(own=True)
+            try:
+                self.finish(own=True)
+            except TimeoutError as error:  # the abort hangs: destroying now would race it
+                return [error, *_destroy_all([g for g in chosen if g not in aborted])]
         return _destroy_all(chosen)
 
     def inherit(self, replaced: GroupTable) -> None:
