@@ -217,7 +217,8 @@ def dead_peer_on_another_host(rank: int, world_size: int) -> dict[str, Any] | No
             elsewhere = {"host": "another-host", "ns": "", "pid": 1, "start": ""}
             _c10d.default_store().set(process_key(rank), json.dumps(elsewhere))
         dist.barrier()
-        if rank == dead:
+        if rank == dead:  # once the others wait for it in the formation (not before they
+            time.sleep(0.3)  # guard their mesh: a watch that knew already aborts it there)
             os.kill(os.getpid(), signal.SIGKILL)
         with watch.guard(ProcessGroupMesh(world_size, names=("x",), timeout=LONG)) as mesh:
             out["first"] = ask(mesh, "x")
