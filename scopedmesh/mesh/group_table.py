@@ -332,20 +332,23 @@ class GroupTable:
             if group in self._adopted:
                 self._adopted.remove(group)
         aborted = [g for g in chosen if self.aborted and _nccl.needs_abort(g)]
-        if aborted and self.hand_over:
+        if not aborted:
+            return _destroy_all(chosen)
+        rest = [g for g in chosen if g not in aborted]
+        if self.hand_over:
             self._then(functools.partial(_destroy_all, aborted), "scopedmesh-nccl-destroy")
-            return _destroy_all([g for g in chosen if g not in aborted])
-        if aborted:
-            try:
-                self.finish(own=True)
-            except TimeoutError as error:  # the abort hangs: destroying now would race it
-                return [error, *_destroy_all([g for g in chosen if g not in aborted])]
+            return _destroy_all(rest)
+        try:
+            self.finish(own=True)
+        except TimeoutError as error:  # the abort hangs: destroying now would race it
+            return [error, *_destroy_all(rest)]
         return _destroy_all(chosen)
 
     def inherit(self, replaced: GroupTable) -> None:
         """Take over the NCCL work still running for ``replaced`` (whose mesh this table's
         replaced), for :meth:`finish`."""
-        self.inherited = [*replaced.inherited, *replaced._finishing]
+        pending = [*replaced.inherited, *replaced._finishing]
+        self.inherited = [t for t in pending if t.is_alive()]  # not one more per heal
 
     def finish(self, *, own: bool = False, timeout: float = FINISH_TIMEOUT) -> None:
         """Wait for the NCCL work of the table this one replaced (:attr:`inherited`), and
