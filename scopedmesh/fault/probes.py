@@ -20,18 +20,29 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import LostRankError
-from scopedmesh.fault.links import UNREACHABLE, UNREACHABLE_AFTER, Links, Slot, WatchedGroup
+from scopedmesh.fault.links import (
+    CHECK_EVERY,
+    UNREACHABLE,
+    UNREACHABLE_AFTER,
+    Links,
+    Slot,
+    WatchedGroup,
+)
 from scopedmesh.fault.protocol.membership import Decision
 
 __all__ = ["PROBE_EVERY", "PROBE_WAIT", "SlotProbes", "cut_off", "probe", "route_address"]
 
 PROBE_EVERY = 0.1  # seconds between two probes of one slot that has not answered yet
 PROBE_WAIT = 1.0  # seconds a probe's connect may take before it counts as "no answer yet"
+
+T = TypeVar("T")
 
 
 def route_address(target: str) -> str:
@@ -210,6 +221,50 @@ class SlotProbes:
         if message is not None:
             self.cut_off = True
             raise LostRankError(message)
+
+    def ask(
+        self,
+        request: Callable[[], T],
+        what: str,
+        *,
+        timeout: float,
+        replica: int,
+        token: str,
+        current: Decision,
+    ) -> T:
+        """``request`` (to the job's store), on a helper thread, while this slot checks
+        its links every :data:`~scopedmesh.fault.links.CHECK_EVERY` seconds.
+
+        Across a cut a store request never returns: a ``TCPStore`` client's requests
+        have no timeout of their own. So a wait that finds this slot cut off
+        (:meth:`check_reach`) raises :class:`~scopedmesh.errors.LostRankError` and
+        leaves the request to its thread; past ``timeout`` seconds, ``TimeoutError``
+        names ``what`` was asked.
+        """
+        answer: list[Any] = []
+        done = threading.Event()
+
+        def send() -> None:
+            try:
+                answer.append(request())
+            except BaseException as error:  # raised on the caller's thread
+                answer.append(error)
+            done.set()
+
+        threading.Thread(target=send, name="scopedmesh-replicas-store", daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not done.wait(CHECK_EVERY):
+            self._links.check_all()
+            self.check_reach(replica, token, current)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"replica {replica}: waited {timeout:g} s for the job's store to answer "
+                    f"{what} (no member is unreachable: the store is slow, stopped or cut off)"
+                )
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        result: T = answer[0]
+        return result
 
     def close(self) -> None:
         """Close the listener and the links: this slot's probes are refused from now on."""

@@ -17,8 +17,9 @@ is pure and lives in :mod:`~scopedmesh.fault.protocol.membership`.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,15 +118,17 @@ class Records:
         self._store.set(self._keys.latest, str(epoch))
         self._reported = time.monotonic()
 
-    def count(self, count: StepCount, reports: bool) -> None:
-        """An agreed step: one more in ``count``; if this slot ``reports`` (the source's
-        first) and :data:`REPORT_EVERY` seconds passed since its last write, the step
-        goes to the store (one request a second at most, by one slot of the job)."""
+    def count(self, count: StepCount, reports: bool) -> Callable[[], None] | None:
+        """An agreed step: one more in ``count``. If this slot ``reports`` (the source's
+        first) and :data:`REPORT_EVERY` seconds passed since its last write, the write of
+        the step to the store, for the caller to make (one request a second at most, by
+        one slot of the job); else None."""
         count.value += 1
         now = time.monotonic()
-        if reports and now - self._reported >= REPORT_EVERY:
-            self._store.set(self._keys.step, str(count.value))
-            self._reported = now
+        if not reports or now - self._reported < REPORT_EVERY:
+            return None
+        self._reported = now
+        return functools.partial(self._store.set, self._keys.step, str(count.value))
 
     def finished(self, decision: Decision, step: int) -> None:
         """By the source's first slot, once every member agreed the job ended: its final

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,8 @@ from scopedmesh.fault.verdict import (
 __all__ = ["LIVE_EVERY", "Replicas", "Stateful", "Transfer", "group_device"]
 
 LIVE_EVERY = 1.0  # seconds: how often a joiner probes the newest epoch's members
+
+T = TypeVar("T")
 
 
 class Replicas:
@@ -280,8 +282,7 @@ class Replicas:
         ok = self._guard(self._drops.finish) and ok  # the last epoch's group, let go of meanwhile
         joins = 0
         if tensors is not None and self.coordinate == 0 and ok:
-            joins = self._guarded(lambda: int(self._store.add(self.keys.joins, 0)), 0)
-            ok = ok and self._error is None
+            joins, ok = self._read_joins()
         flags = self._flags(ok, joins)
         if not self._agree(flags.values, ok):
             self._outgoing = self._incoming = None
@@ -297,16 +298,20 @@ class Replicas:
         if tensors is None:
             self._finished = True
             if decision.source == self.replica and self.coordinate == 0:
-                self._records.finished(decision, self._count.value)
+                end = functools.partial(self._records.finished, decision, self._count.value)
+                self._report(end, "the job's end")
             return True
         self.contributors = contributors
-        self._records.count(self._count, decision.source == self.replica and self.coordinate == 0)
+        reports = decision.source == self.replica and self.coordinate == 0
+        due = self._records.count(self._count, reports)
+        if due is not None:
+            self._report(due, "the step count")
         if flags.joins > decision.joins:
             self._pending = "admit"
         if self._cleaned < decision.epoch and decision.source == self.replica:
             self._cleaned = decision.epoch
             if self.coordinate == 0:
-                self._records.clean(decision)
+                self._report(lambda: self._records.clean(decision), "the old epochs' clean-up")
         if self._pending == "admit":
             self._start_admission(decision)
         return True
@@ -556,7 +561,10 @@ class Replicas:
                 self._pending = None
                 self.entered.append((decision.epoch, time.time(), decision.replicas))
                 if decision.source == self.replica and self.coordinate == 0:
-                    self._records.entered(decision.epoch, self._count.value)
+                    entered = functools.partial(
+                        self._records.entered, decision.epoch, self._count.value
+                    )
+                    self._report(entered, "the new epoch")
                 return
             self._outgoing = self._incoming = None
             decision = self._heal(decision)
@@ -667,6 +675,43 @@ class Replicas:
         result = [default]
         self._guard(lambda: result.__setitem__(0, work()))
         return result[0]
+
+    def _read_joins(self) -> tuple[int, bool]:
+        """The job's count of joins, read by the first slot after a step's collectives;
+        ``(0, False)`` if the step fails here: this slot is cut off (:meth:`_cut_off`) or
+        the request raised (this replica's error)."""
+        try:
+            joins = self._ask(lambda: int(self._store.add(self.keys.joins, 0)), "the joins")
+        except LostRankError as error:
+            self._cut_off(error)
+            return 0, False
+        except Exception as error:
+            self._fail_with(error)
+            return 0, False
+        return joins, True
+
+    def _report(self, write: Callable[[], None], what: str) -> None:
+        """A record the source's first slot writes after an agreed step (:meth:`_cut_off`
+        if it finds itself cut off)."""
+        try:
+            self._ask(write, what)
+        except LostRankError as error:
+            self._cut_off(error)
+
+    def _ask(self, request: Callable[[], T], what: str) -> T:
+        """A request to the job's store on the step's path, which never waits for a cut
+        to heal (:meth:`SlotProbes.ask <scopedmesh.fault.probes.SlotProbes.ask>`)."""
+        return self._probes.ask(
+            request, what, timeout=self._timeout, replica=self.replica, token=self.token,
+            current=self._current(),
+        )  # fmt: skip
+
+    def _cut_off(self, error: LostRankError) -> None:
+        """This slot found itself cut off on the step's path: its dp group is let go of,
+        so its replica's verdict fails (this step's, or the next), and the heal raises
+        :class:`LostRankError` on every rank of the replica."""
+        self.failure = f"epoch {self._current().epoch}: {error}"[:400]
+        self._pg = None
 
     def _fail_with(self, error: Exception) -> None:
         self.failure = f"epoch {self._current().epoch}: {type(error).__name__}: {error}"[:400]

@@ -105,7 +105,8 @@ def test_a_replica_cut_off_from_the_network_is_dropped_and_rejoins() -> None:
     nothing; each silent cut gives a step without replica 2 well before the heal's
     30 s timeout (the script's bound), replica 2 is told it was cut off and commits
     nothing meanwhile, rejoins as a new incarnation once the link is back, and every
-    replica ends on the same step with the same weights."""
+    replica ends on the same step with the same weights. The second cut lands while
+    replica 2's request to the job's store (after a step's all-reduce) is in flight."""
     if (missing := _missing()) is not None:
         pytest.skip(missing)
     code, output = run_hosts("two_hosts_replicas.py", "--cuts", "2")
@@ -115,6 +116,7 @@ def test_a_replica_cut_off_from_the_network_is_dropped_and_rejoins() -> None:
     result = parsed["result"]
     assert isinstance(result, dict)
     assert len(result["cut -> first step without replica 2 (s)"]) == 2
+    assert result["requests held across a cut"] == 1, result
     told = result["replica 2 was told"]
     assert isinstance(told, list) and len(told) == 2
     for message in told:

@@ -18,7 +18,10 @@ host B. Host A's process directs the run:
    that step. Replica 2 must learn that it was cut off (``LostRankError``), and
    commit nothing while cut off. After a few reduced steps the link is healed;
    replica 2 then starts a new incarnation (a new ``Replicas``) that rejoins,
-   and the job is back to 3 replicas.
+   and the job is back to 3 replicas. The last ``--held`` cuts land while
+   replica 2 waits for the job's store after a step's all-reduce (its request
+   for the count of joins is held until the cut is made, then sent across it):
+   a store request across a cut never returns by itself.
 3. **The end.** Every replica ends on the same step with the same weights: one
    history of the job, never two.
 
@@ -51,6 +54,9 @@ STOPPED_REPLICA = 1
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuts", type=int, default=3, help="cuts to make, one after another")
+    parser.add_argument(
+        "--held", type=int, default=1, help="the last N cuts land in replica 2's store request"
+    )
     parser.add_argument("--stop", type=float, default=3.0, help="seconds replica 1 is stopped")
     parser.add_argument("--pace", type=float, default=0.05, help="seconds a step sleeps")
     parser.add_argument("--timeout", type=float, default=30.0, help="Replicas' timeout (s)")
@@ -107,6 +113,7 @@ def replica_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from scopedmesh.c10d.store import ReplicaKeys
     from scopedmesh.errors import LostRankError
     from scopedmesh.fault.replicas import Replicas
 
@@ -133,9 +140,27 @@ def replica_main(args: argparse.Namespace) -> int:
     progress = Progress()
     state = {"model": model, "optim": optim, "progress": progress}
     end_file = shared() / "end"
+    joins = ReplicaKeys().joins
+    stepping = False  # inside all_reduce_: its only read of the joins is the step's own
+
+    class HoldingStore(dist.TCPStore):
+        """The job's store, whose read of the joins waits, when host A asks (``hold-N``),
+        until host A has cut the link (``release-N``): the request goes across the cut."""
+
+        def add(self, key: str, value: int) -> int:
+            if stepping and replica == CUT_REPLICA and key == joins and value == 0:
+                asked = sorted(h for h in shared().glob("hold-*") if not h.suffix)
+                held = [h for h in asked if not h.with_name(h.name + ".held").exists()]
+                if held:
+                    held[0].with_name(held[0].name + ".held").touch()
+                    release = held[0].with_name(held[0].name.replace("hold", "release"))
+                    wait_for("host A's release of the held request", release.exists, args.bound)
+                    emit(replica, event="held", token=grow.token)
+            return int(super().add(key, value))
+
     incarnation = 0
     while True:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=args.bound))
+        store = HoldingStore(host, port, is_master=False, timeout=timedelta(seconds=args.bound))
         grow = Replicas(
             store, replica=replica, replicas=REPLICAS, state=state, timeout=args.timeout
         )
@@ -154,8 +179,10 @@ def replica_main(args: argparse.Namespace) -> int:
                     model(x).pow(2).mean().backward()
                     grads = [p.grad for p in model.parameters() if p.grad is not None]
                     flag = torch.tensor([1.0 if end_file.exists() else 0.0])
-                    began = time.time()
-                    if grow.all_reduce_([*grads, flag]):
+                    began, stepping = time.time(), True
+                    committed = grow.all_reduce_([*grads, flag])
+                    stepping = False
+                    if committed:
                         optim.step()
                         progress.step += 1
                         if float(flag) > 0 and not progress.end:
@@ -249,9 +276,19 @@ def direct(args: argparse.Namespace, procs: dict[int, subprocess.Popen[bytes]]) 
             lambda since=start[-1]["t"] if start else 0.0: len(steps_of(CUT_REPLICA, since)) >= 5,
             bound,
         )
+        held = cut > args.cuts - args.held
+        if held:  # replica 2's next read of the joins waits until the cut is made
+            (shared() / f"hold-{cut}").touch()
+            wait_for(
+                f"cut {cut}: replica 2's request held",
+                (shared() / f"hold-{cut}.held").exists,
+                bound,
+            )
         (shared() / f"cut-{cut}").touch()
         done = shared() / f"cut-{cut}.done"
         wait_for(f"cut {cut} made", done.exists, 10)
+        if held:
+            (shared() / f"release-{cut}").touch()
         cut_at = float(done.read_text())  # the cut began (before the harness's commands)
         cut_in_place.append(round(done.stat().st_mtime - cut_at, 3))  # ... and was made
         reduced = wait_for(
@@ -310,6 +347,7 @@ def direct(args: argparse.Namespace, procs: dict[int, subprocess.Popen[bytes]]) 
         "cut -> replica 0's step failed (s)": failed_after,
         "cut -> replica 2 raised LostRankError (s)": lost_after,
         "replica 2 was told": messages,
+        "requests held across a cut": len([e for e in events(CUT_REPLICA) if e["event"] == "held"]),
     }
 
 

@@ -42,15 +42,16 @@ def test_the_step_reaches_the_store_at_most_once_a_second_and_exactly_at_the_end
     writes.store.set(KEYS.decision(0), decision.text())  # what Records.decide writes
     recs.entered(0, count.value)  # the source's first slot, once the epoch formed
     assert writes.sets == [(KEYS.step, "0"), (KEYS.latest, "0")]
-    for _ in range(50):  # 50 agreed steps within one second: no write
-        recs.count(count, reports=True)
-    assert count.value == 50 and len(writes.sets) == 2
-    for _ in range(50):  # a slot that does not report never writes
-        recs.count(count, reports=False)
+    # 50 agreed steps within one second, then 50 by a slot that does not report: no write
+    due = [recs.count(count, reports=True) for _ in range(50)]
+    due += [recs.count(count, reports=False) for _ in range(50)]
+    assert count.value == 100 and due == [None] * 100
     clock[0] += 1.0
-    recs.count(count, reports=True)  # a second later: one write
+    write = recs.count(count, reports=True)  # a second later: one write, made by the caller
+    assert write is not None and len(writes.sets) == 2
+    write()
     assert count.value == 101 and writes.sets[2:] == [(KEYS.step, "101")]
-    recs.count(count, reports=True)
+    assert recs.count(count, reports=True) is None
     assert len(writes.sets) == 3
     recs.finished(decision, count.value)
     assert writes.sets[3:] == [(KEYS.step, "102"), (KEYS.finished, decision.text())]
