@@ -61,6 +61,7 @@ __all__ = [
     "catch_up_peers",
     "check_backend",
     "departures",
+    "finish_aborts",
     "form_group",
     "nccl_device",
 ]
@@ -138,7 +139,8 @@ class DeviceGroup:
     ``broadcast``, ``send``, ``recv``; each returns a handle whose ``wait`` raises
     :class:`CollectiveFailed` on a failure), with the NCCL semantics handled here: the
     waits watch the peers (``departed``), a failure aborts the communicator, and CPU
-    tensors are staged on ``wire_device``."""
+    tensors are staged on ``wire_device``. The abort runs on a thread of its own,
+    kept in ``aborts`` (:func:`finish_aborts` waits for them)."""
 
     def __init__(
         self,
@@ -146,10 +148,13 @@ class DeviceGroup:
         device: torch.device,
         departed: Callable[[], str | None],
         timeout: float,
+        *,
+        aborts: list[threading.Thread] | None = None,
     ) -> None:
         self.pg, self.wire_device = pg, device
         self.departed, self._timeout = departed, timeout
         self.aborted = False
+        self.aborts: list[threading.Thread] = [] if aborts is None else aborts
 
     def allreduce(self, tensors: Sequence[torch.Tensor], options: Any = None) -> _Handle:
         staged, back = self._stage(tensors, copy_in=True)
@@ -170,10 +175,19 @@ class DeviceGroup:
 
     def abort(self) -> None:
         """Abort the communicator (once): its kernels in flight exit, its peers' never
-        complete (they find this rank departed or dead, and abort in turn)."""
+        complete (they find this rank departed or dead, and abort in turn).
+
+        NCCL's abort runs on a thread of its own (``scopedmesh-replicas-nccl-abort``,
+        not a daemon), and this returns at once: on an H200 ``abort()`` took 0.5 s,
+        while the kernels in flight exited within 6 ms of its start and other
+        communicators went on meanwhile (docs/GPU.md). The thread holds the
+        communicator, so it is destroyed there, after its abort, never during it.
+        """
         if not self.aborted:
             self.aborted = True
-            self.pg.abort()
+            thread = threading.Thread(target=self.pg.abort, name="scopedmesh-replicas-nccl-abort")
+            self.aborts[:] = [t for t in self.aborts if t.is_alive()] + [thread]
+            thread.start()
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` (``what``, for the error): its completion polled, the peers
@@ -238,6 +252,16 @@ class DeviceGroup:
         return _Handle(self, work, what, back)
 
 
+def finish_aborts(aborts: list[threading.Thread], timeout: float) -> list[str]:
+    """Wait up to ``timeout`` seconds in all for the NCCL aborts ``aborts`` holds (started
+    by :meth:`DeviceGroup.abort`); the names of those still running then (none: all ended)."""
+    deadline = time.monotonic() + timeout
+    for thread in list(aborts):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    aborts[:] = [t for t in aborts if t.is_alive()]
+    return [t.name for t in aborts]
+
+
 class _Handle:
     """One operation of a :class:`DeviceGroup`: ``wait()`` as :meth:`DeviceGroup.wait`,
     then the staged results copied back into the caller's tensors."""
@@ -285,11 +309,13 @@ def form_group(
     *,
     form_timeout: float,
     timeout: float,
+    aborts: list[threading.Thread] | None = None,
 ) -> Any | None:
     """``replica``'s dp group of ``decision`` along ``coordinate``, formed by its own init
     over ``store`` under the epoch's prefix; None if it could not form (a peer died or
     left: heal). On NCCL the communicators the epoch will use are all connected here:
-    the group's, and the catch-up's pairs (:func:`catch_up_peers`)."""
+    the group's, and the catch-up's pairs (:func:`catch_up_peers`); its aborts' threads
+    go to ``aborts`` (:class:`DeviceGroup`)."""
     prefixed = dist.PrefixStore(keys.group(decision.epoch, coordinate), store)  # type: ignore[attr-defined]  # public; not in torch's stub exports
     index, size = decision.index(replica), decision.size
     if backend == "gloo":
@@ -303,7 +329,7 @@ def form_group(
     departed = departures(probes, store, keys, decision, replica, coordinate)
     # torch's defaults (its watchdog's timeout is 10 min: the waits here end sooner).
     nccl = dist.ProcessGroupNCCL(prefixed, index, size, dist.ProcessGroupNCCL.Options())
-    group = DeviceGroup(nccl, device, departed, timeout)
+    group = DeviceGroup(nccl, device, departed, timeout, aborts=aborts)
     peers = catch_up_peers(decision, replica)
     return group if _connect(group, form_timeout, peers, replica == decision.source) else None
 

@@ -62,7 +62,7 @@ from scopedmesh.errors import (
     NoLiveReplicaError,
     shown,
 )
-from scopedmesh.fault.dp_groups import Drops, check_backend, form_group
+from scopedmesh.fault.dp_groups import Drops, check_backend, finish_aborts, form_group
 from scopedmesh.fault.probes import SlotProbes
 from scopedmesh.fault.protocol.membership import (
     Decision,
@@ -166,6 +166,7 @@ class Replicas:
         self._device = group_device(str(dist.get_backend(group)))
         self._pg: Any = None  # this epoch's dp group along this rank's coordinate
         self._drops = Drops(f"replica {replica} coordinate {self.coordinate}", self._timeout)
+        self._aborts: list[threading.Thread] = []  # NCCL dp groups' aborts (DeviceGroup.abort)
         self._admission: tuple[threading.Thread, list[Any]] | None = None  # see boundary()
         self._pending: str | None = "join"
         self._cleaned = -1  # the epoch whose older keys this rank last had deleted
@@ -361,6 +362,9 @@ class Replicas:
         self._outgoing = self._incoming = None
         self._admission = None  # its thread sees the close at its next wait, and drops its group
         self._drops.finish()
+        running = finish_aborts(self._aborts, self._timeout)
+        if running:  # not raised: a close may run on its way to raising the step's error
+            self.failure = f"waited {self._timeout:g} s for NCCL's abort of a dp group {running}"
         self._probes.close()
         with contextlib.suppress(Exception):
             if not self._probes.cut_off:  # a request to a store cut off would wait for the cut
@@ -593,7 +597,7 @@ class Replicas:
                 )
         pg = form_group(
             self.backend, store, keys, self._probes, decision, self.replica, self.coordinate,
-            form_timeout=self._form_timeout, timeout=self._timeout,
+            form_timeout=self._form_timeout, timeout=self._timeout, aborts=self._aborts,
         )  # fmt: skip
         if pg is None:
             return False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,14 @@ from scopedmesh.fault.verdict import max_options
 
 REPLICAS = 2
 BOUND = 120.0  # seconds: a never-hang bound for the job, not a performance figure
+ENDS = ("abort", "abort_done", "destroyed")  # a communicator's last events
 
 
-def _pair(events: list[tuple[Any, ...]]) -> list[dp_groups.DeviceGroup]:
+def _pair(
+    events: list[tuple[Any, ...]], teardown: threading.Event | None = None
+) -> list[dp_groups.DeviceGroup]:
     """Two members of one stand-in NCCL group, formed over a HashStore in two threads."""
-    cls = _nccl_double.nccl_stand_in(events)
+    cls = _nccl_double.nccl_stand_in(events, teardown)
     store = dist.HashStore()  # type: ignore[attr-defined]
     groups: list[Any] = [None, None]
 
@@ -75,6 +79,7 @@ def test_a_wait_on_a_peer_that_never_comes_aborts_once_it_is_found_gone() -> Non
         handle.wait()
     assert len(asked) == 3
     assert zero.aborted is True
+    assert dp_groups.finish_aborts(zero.aborts, 30.0) == []
     assert [e[0] for e in events].count("abort") == 1
     with pytest.raises(CollectiveFailed, match="aborted"):  # the group is done with
         zero.allreduce([flags], max_options())
@@ -96,7 +101,37 @@ def test_a_formation_whose_peer_never_comes_is_aborted_once_it_is_found_gone() -
     group = dp_groups.DeviceGroup(pg, torch.device("cpu"), departed, 30.0)
     assert dp_groups._connect(group, 600.0, [1], True) is False
     assert len(asked) == 2 and group.aborted
+    assert dp_groups.finish_aborts(group.aborts, 30.0) == []
     assert [e[0] for e in events] == ["abort"]
+
+
+def test_a_failed_wait_never_waits_for_nccls_abort_and_nothing_destroys_during_it() -> None:
+    """NCCL's abort took 0.5 s on an H200, though the kernels in flight exited within
+    6 ms. A wait whose peer departed raises at once, while the stand-in's abort still
+    tears down (held here until the raise), on a thread of its own; the group, dropped
+    by the caller, is destroyed only after the abort ended."""
+    events: list[tuple[Any, ...]] = []
+    teardown = threading.Event()
+    group, _one = _pair(events, teardown)
+    gone = "replicas [1] (coordinate 0) of epoch 3 died"
+    group.departed = lambda: gone
+    aborts = group.aborts
+    finalized = threading.Event()
+    weakref.finalize(group.pg, lambda: (events.append(("destroyed",)), finalized.set()))
+    handle = group.allreduce([torch.ones(2)], max_options())
+    try:
+        with pytest.raises(CollectiveFailed, match="died"):
+            handle.wait()  # never returns before the teardown's end on the old code
+        assert [e[0] for e in events if e[0] in ENDS] == ["abort"]  # still tearing down
+        del group, handle
+        assert not finalized.is_set()
+    finally:
+        teardown.set()
+    assert dp_groups.finish_aborts(aborts, 30.0) == []
+    assert finalized.wait(30)
+    done = [e for e in events if e[0] in ENDS]
+    assert [e[0] for e in done] == ["abort", "abort_done", "destroyed"], done
+    assert done[1][3] == "scopedmesh-replicas-nccl-abort"
 
 
 def test_a_peer_that_left_the_epoch_alive_counts_as_departed() -> None:
