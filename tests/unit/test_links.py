@@ -427,6 +427,54 @@ def test_the_cut_off_side_is_the_one_that_reaches_neither_its_peers_nor_the_stor
         assert part in message
 
 
+class _Store:
+    """Where a slot's store lives, as a ``TCPStore`` client says (``host``, ``port``)."""
+
+    host, port = "127.77.0.1", 29500
+
+
+def test_a_store_request_on_the_steps_path_is_answered_bounded_or_told_cut_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SlotProbes.ask: a request's answer or error comes back as is; one that never
+    returns (a TCPStore request across a cut: its client's timeout does not end it) is a
+    TimeoutError naming it while no member is unreachable, and LostRankError once a
+    link found one unreachable and the store answers no probe either."""
+    from scopedmesh.errors import LostRankError
+    from scopedmesh.fault.protocol.membership import Decision
+
+    probes = SlotProbes(_Store(), ReplicaKeys(), "127.0.0.1")
+    current = Decision(3, ((0, "a"), (1, "b")), 0, 2)
+    never = threading.Event()
+
+    def ask(request: Any, timeout: float = 5.0) -> Any:
+        return probes.ask(
+            request, "the joins", timeout=timeout, replica=0, token="a", current=current
+        )
+
+    try:
+        assert ask(lambda: 7) == 7
+        with pytest.raises(KeyError, match="joins"):
+            ask(lambda: {}["joins"])
+        began = time.monotonic()
+        with pytest.raises(
+            TimeoutError, match=r"waited 0.3 s for the job's store to answer the joins"
+        ):
+            ask(never.wait, timeout=0.3)
+        assert 0.3 <= time.monotonic() - began < 3.0
+        asked: list[str] = []
+        monkeypatch.setattr(
+            "scopedmesh.fault.probes.probe", lambda address: asked.append(address)
+        )  # no answer (None), as from a store across a cut
+        probes._links.lost[(1, 0, "b")] = UNREACHABLE
+        with pytest.raises(LostRankError, match=r"replica 0 \(incarnation a\) is cut off"):
+            ask(never.wait, timeout=60.0)
+        assert asked == ["127.77.0.1:29500"] and probes.cut_off
+    finally:
+        never.set()
+        probes.close()
+
+
 class _Work:
     """A fake operation's work, as gloo's: it ends ``after`` seconds after it is made
     (never: None), failing with ``error`` then. A collective's completes by itself and

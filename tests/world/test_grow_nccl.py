@@ -125,6 +125,8 @@ def test_a_failed_wait_never_waits_for_nccls_abort_and_nothing_destroys_during_i
         assert [e[0] for e in events if e[0] in ENDS] == ["abort"]  # still tearing down
         del group, handle
         assert not finalized.is_set()
+        # The stand-in's collective runs on gloo, whose destroy would wait for it: end it.
+        assert _one.allreduce([torch.ones(2)], max_options()).wait()
     finally:
         teardown.set()
     assert dp_groups.finish_aborts(aborts, 30.0) == []
