@@ -239,7 +239,7 @@ class SlotProbes:
         have no timeout of their own. So a wait that finds this slot cut off
         (:meth:`check_reach`) raises :class:`~scopedmesh.errors.LostRankError` and
         leaves the request to its thread; past ``timeout`` seconds, ``TimeoutError``
-        names ``what`` was asked.
+        says what was asked (``what``).
         """
         answer: list[Any] = []
         done = threading.Event()
@@ -259,7 +259,8 @@ class SlotProbes:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"replica {replica}: waited {timeout:g} s for the job's store to answer "
-                    f"{what} (no member is unreachable: the store is slow, stopped or cut off)"
+                    f"{what} (this slot did not find itself cut off: the store is slow, "
+                    f"stopped or unreachable)"
                 )
         if isinstance(answer[0], BaseException):
             raise answer[0]
