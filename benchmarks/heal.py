@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.heal                    # 2x2x2, 4x2, 8x1: 20 kills each
     .venv/bin/python -m benchmarks.heal --shapes 4x4 --kills 5   # 16 ranks
+    .venv/bin/python -m benchmarks.heal --standby on       # survivors' groups formed ahead
     .venv/bin/python -m benchmarks.heal --against torchft  # side by side with torchft 0.2.0
     .venv/bin/python -m benchmarks.heal --against torchft --burn  # the same, under load
     .venv/bin/python -m benchmarks.heal --backend nccl     # on a GPU host (benchmarks.heal_nccl)
@@ -105,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--burn", action="store_true", help="under load: a CPU burner per core beside the run"
     )
+    parser.add_argument(
+        "--standby",
+        choices=["on", "off", "both"],
+        help="groups for the survivors formed before the kill (gloo: off by default; "
+        "nccl: both, kills alternating)",
+    )
     parser.add_argument("--bound", action="store_true", help="nccl: WORLD bound to the device")
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="nccl: the same code on gloo, on the CPU"
@@ -131,6 +138,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         return code
     args.kills = 20 if args.kills is None else args.kills
     args.timeout = 60.0 if args.timeout is None else args.timeout
+    if args.standby == "both":
+        raise SystemExit("heal: --standby both alternates on NCCL only (--backend nccl)")
+    standby = args.standby == "on"
     rng = random.Random(args.seed)
     started, load_before = time.monotonic(), load()
     every: list[list[float]] = []
@@ -138,11 +148,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     all_kills: list[heal_random.Kill] = []
     shapes = args.shapes.split(",")
     for shape in shapes:
-        plan = heal_random.plan_for(shape, timeout=args.timeout)
+        plan = heal_random.plan_for(shape, timeout=args.timeout, standby=standby)
         names = ", ".join(plan["names"])
         print(
             f"{shape} ({names}), {math.prod(plan['shape'])} ranks, {args.kills} kills, "
-            f"mesh timeout {args.timeout:g} s, {load()}",
+            f"mesh timeout {args.timeout:g} s, standby {'on' if standby else 'off'}, {load()}",
             flush=True,
         )
         print(

@@ -286,7 +286,7 @@ def _report(args: argparse.Namespace, plan: dict[str, Any], where: str) -> int:
     """Run ``args.kills`` kills of ``plan`` and print the rows and the summary lines."""
     world = plan["world"]
     plan = {"steps": 40, "warm": 5, "window": 0.05, **plan}
-    chosen = getattr(args, "standby", "both")  # benchmarks.heal --backend nccl has no flag
+    chosen = getattr(args, "standby", None) or "both"  # benchmarks.heal's flag: None unless given
     modes = {"on": [True], "off": [False], "both": [False, True]}[chosen]
     rng = random.Random(args.seed)
     print(

@@ -53,6 +53,7 @@ from benchmarks.heal_common import (
 from benchmarks.heal_common import reference as small_reference
 from scopedmesh import LostRankError, ProcessGroupMesh
 from scopedmesh.fault.liveness import LivenessWatch
+from scopedmesh.mesh.standby import prepare_standby
 
 BUCKET = 4 * 1024 * 1024 // 8  # float64 elements in the 4 MiB gradient bucket
 SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
@@ -240,6 +241,8 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     verdict_marks = _time_the_verdict()
     mesh = watch.guard(ProcessGroupMesh(*shape, names=names, timeout=plan["timeout"]))
     mesh.create_groups(*names)
+    if plan.get("standby"):  # the survivors' groups for any dp slice lost, formed now
+        prepare_standby(mesh, "dp")
     dist.barrier()  # every watch linked, every group formed
     sizes, coords = _tp_pp_dp(mesh)
     weights = initial(sizes, coords)
@@ -539,9 +542,12 @@ def breakdown_line(kills: Sequence[Kill]) -> str:
     )
 
 
-def plan_for(shape: str, *, timeout: float, interval: float = 0.02) -> dict[str, Any]:
+def plan_for(
+    shape: str, *, timeout: float, interval: float = 0.02, standby: bool = False
+) -> dict[str, Any]:
     dims, names = SHAPES[shape]
     return {
+        "standby": standby,
         "shape": list(dims),
         "names": list(names),
         "timeout": timeout,
