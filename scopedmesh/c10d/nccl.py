@@ -34,6 +34,8 @@ True
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +49,7 @@ __all__ = [
     "aborts",
     "check_error_handling",
     "error_handling_problem",
+    "join_within",
     "nccl_flavour",
     "needs_abort",
     "unsplit",
@@ -134,6 +137,15 @@ def abort_groups(groups: Sequence[dist.ProcessGroup]) -> list[Exception]:
         if batch is not None:
             batch._group_end()
     return errors
+
+
+def join_within(threads: Sequence[threading.Thread], timeout: float) -> list[threading.Thread]:
+    """Wait up to ``timeout`` seconds in all for ``threads`` (an abort's or a destroy's,
+    started so that a heal never waits for NCCL); those still running then, in order."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
 
 
 @contextlib.contextmanager

@@ -61,7 +61,6 @@ __all__ = [
     "catch_up_peers",
     "check_backend",
     "departures",
-    "finish_aborts",
     "form_group",
     "nccl_device",
 ]
@@ -140,7 +139,7 @@ class DeviceGroup:
     :class:`CollectiveFailed` on a failure), with the NCCL semantics handled here: the
     waits watch the peers (``departed``), a failure aborts the communicator, and CPU
     tensors are staged on ``wire_device``. The abort runs on a thread of its own,
-    kept in ``aborts`` (:func:`finish_aborts` waits for them)."""
+    kept in ``aborts`` (:func:`~scopedmesh.c10d.nccl.join_within` waits for them)."""
 
     def __init__(
         self,
@@ -250,16 +249,6 @@ class DeviceGroup:
             self.abort()
             raise CollectiveFailed(f"{what} on the epoch's NCCL group: {error}") from error
         return _Handle(self, work, what, back)
-
-
-def finish_aborts(aborts: list[threading.Thread], timeout: float) -> list[str]:
-    """Wait up to ``timeout`` seconds in all for the NCCL aborts ``aborts`` holds (started
-    by :meth:`DeviceGroup.abort`); the names of those still running then (none: all ended)."""
-    deadline = time.monotonic() + timeout
-    for thread in list(aborts):
-        thread.join(max(0.0, deadline - time.monotonic()))
-    aborts[:] = [t for t in aborts if t.is_alive()]
-    return [t.name for t in aborts]
 
 
 class _Handle:

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh.c10d.checks import check_timeout
+from scopedmesh.c10d.nccl import join_within
 from scopedmesh.c10d.store import ReplicaKeys, read
 from scopedmesh.errors import (
     JobFinishedError,
@@ -62,7 +63,7 @@ from scopedmesh.errors import (
     NoLiveReplicaError,
     shown,
 )
-from scopedmesh.fault.dp_groups import Drops, check_backend, finish_aborts, form_group
+from scopedmesh.fault.dp_groups import Drops, check_backend, form_group
 from scopedmesh.fault.probes import SlotProbes
 from scopedmesh.fault.protocol.membership import (
     Decision,
@@ -300,19 +301,19 @@ class Replicas:
             self._finished = True
             if decision.source == self.replica and self.coordinate == 0:
                 end = functools.partial(self._records.finished, decision, self._count.value)
-                self._report(end, "the job's end")
+                self._ask(end, "the job's end")
             return True
         self.contributors = contributors
         reports = decision.source == self.replica and self.coordinate == 0
         due = self._records.count(self._count, reports)
         if due is not None:
-            self._report(due, "the step count")
+            self._ask(due, "the step count")
         if flags.joins > decision.joins:
             self._pending = "admit"
         if self._cleaned < decision.epoch and decision.source == self.replica:
             self._cleaned = decision.epoch
             if self.coordinate == 0:
-                self._report(lambda: self._records.clean(decision), "the old epochs' clean-up")
+                self._ask(lambda: self._records.clean(decision), "the old epochs' clean-up")
         if self._pending == "admit":
             self._start_admission(decision)
         return True
@@ -362,9 +363,10 @@ class Replicas:
         self._outgoing = self._incoming = None
         self._admission = None  # its thread sees the close at its next wait, and drops its group
         self._drops.finish()
-        running = finish_aborts(self._aborts, self._timeout)
-        if running:  # not raised: a close may run on its way to raising the step's error
-            self.failure = f"waited {self._timeout:g} s for NCCL's abort of a dp group {running}"
+        self._aborts[:] = join_within(self._aborts, self._timeout)  # the DeviceGroups' list
+        if self._aborts:  # not raised: a close may run on its way to raising the step's error
+            names = [t.name for t in self._aborts]
+            self.failure = f"waited {self._timeout:g} s for NCCL's abort of a dp group {names}"
         self._probes.close()
         with contextlib.suppress(Exception):
             if not self._probes.cut_off:  # a request to a store cut off would wait for the cut
@@ -568,7 +570,7 @@ class Replicas:
                     entered = functools.partial(
                         self._records.entered, decision.epoch, self._count.value
                     )
-                    self._report(entered, "the new epoch")
+                    self._ask(entered, "the new epoch")
                 return
             self._outgoing = self._incoming = None
             decision = self._heal(decision)
@@ -682,40 +684,30 @@ class Replicas:
 
     def _read_joins(self) -> tuple[int, bool]:
         """The job's count of joins, read by the first slot after a step's collectives;
-        ``(0, False)`` if the step fails here: this slot is cut off (:meth:`_cut_off`) or
-        the request raised (this replica's error)."""
+        ``(0, False)`` if the step fails here: this slot is cut off (:meth:`_ask`) or the
+        request raised (this replica's error)."""
         try:
             joins = self._ask(lambda: int(self._store.add(self.keys.joins, 0)), "the joins")
-        except LostRankError as error:
-            self._cut_off(error)
-            return 0, False
         except Exception as error:
             self._fail_with(error)
             return 0, False
-        return joins, True
+        return (0, False) if joins is None else (joins, True)
 
-    def _report(self, write: Callable[[], None], what: str) -> None:
-        """A record the source's first slot writes after an agreed step (:meth:`_cut_off`
-        if it finds itself cut off)."""
-        try:
-            self._ask(write, what)
-        except LostRankError as error:
-            self._cut_off(error)
-
-    def _ask(self, request: Callable[[], T], what: str) -> T:
+    def _ask(self, request: Callable[[], T], what: str) -> T | None:
         """A request to the job's store on the step's path, which never waits for a cut
-        to heal (:meth:`SlotProbes.ask <scopedmesh.fault.probes.SlotProbes.ask>`)."""
-        return self._probes.ask(
-            request, what, timeout=self._timeout, replica=self.replica, token=self.token,
-            current=self._current(),
-        )  # fmt: skip
-
-    def _cut_off(self, error: LostRankError) -> None:
-        """This slot found itself cut off on the step's path: its dp group is let go of,
-        so its replica's verdict fails (this step's, or the next), and the heal raises
+        to heal (:meth:`SlotProbes.ask <scopedmesh.fault.probes.SlotProbes.ask>`). None
+        once this slot found itself cut off: its dp group is let go of, so its replica's
+        verdict fails (this step's, or the next), and the heal raises
         :class:`LostRankError` on every rank of the replica."""
-        self.failure = f"epoch {self._current().epoch}: {error}"[:400]
-        self._pg = None
+        try:
+            return self._probes.ask(
+                request, what, timeout=self._timeout, replica=self.replica, token=self.token,
+                current=self._current(),
+            )  # fmt: skip
+        except LostRankError as error:
+            self.failure = f"epoch {self._current().epoch}: {error}"[:400]
+            self._pg = None
+            return None
 
     def _fail_with(self, error: Exception) -> None:
         self.failure = f"epoch {self._current().epoch}: {type(error).__name__}: {error}"[:400]

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -355,14 +354,12 @@ class GroupTable:
         with ``own`` for this table's too (its aborts and destroys); ``TimeoutError``
         naming what after ``timeout`` seconds."""
         threads = [*self.inherited, *(self._finishing if own else [])]
-        deadline = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                raise TimeoutError(
-                    f"waited {timeout:g} s for {thread.name} (an aborted mesh's NCCL "
-                    "communicators: ProcessGroup.abort or destroy_process_group) to end"
-                )
+        running = _nccl.join_within(threads, timeout)
+        if running:
+            raise TimeoutError(
+                f"waited {timeout:g} s for {running[0].name} (an aborted mesh's NCCL "
+                "communicators: ProcessGroup.abort or destroy_process_group) to end"
+            )
 
     def _shut_down(self, groups: list[dist.ProcessGroup]) -> None:
         """Interrupt the closable gloo groups of ``groups`` here; abort the others (NCCL's,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from scopedmesh.c10d.nccl import join_within
 from scopedmesh.fault import dp_groups
 from scopedmesh.fault.state_transfer import CollectiveFailed, broadcast_state
 from scopedmesh.fault.verdict import max_options
@@ -79,7 +80,7 @@ def test_a_wait_on_a_peer_that_never_comes_aborts_once_it_is_found_gone() -> Non
         handle.wait()
     assert len(asked) == 3
     assert zero.aborted is True
-    assert dp_groups.finish_aborts(zero.aborts, 30.0) == []
+    assert join_within(zero.aborts, 30.0) == []
     assert [e[0] for e in events].count("abort") == 1
     with pytest.raises(CollectiveFailed, match="aborted"):  # the group is done with
         zero.allreduce([flags], max_options())
@@ -101,7 +102,7 @@ def test_a_formation_whose_peer_never_comes_is_aborted_once_it_is_found_gone() -
     group = dp_groups.DeviceGroup(pg, torch.device("cpu"), departed, 30.0)
     assert dp_groups._connect(group, 600.0, [1], True) is False
     assert len(asked) == 2 and group.aborted
-    assert dp_groups.finish_aborts(group.aborts, 30.0) == []
+    assert join_within(group.aborts, 30.0) == []
     assert [e[0] for e in events] == ["abort"]
 
 
@@ -129,7 +130,7 @@ def test_a_failed_wait_never_waits_for_nccls_abort_and_nothing_destroys_during_i
         assert _one.allreduce([torch.ones(2)], max_options()).wait()
     finally:
         teardown.set()
-    assert dp_groups.finish_aborts(aborts, 30.0) == []
+    assert join_within(aborts, 30.0) == []
     assert finalized.wait(30)
     done = [e for e in events if e[0] in ENDS]
     assert [e[0] for e in done] == ["abort", "abort_done", "destroyed"], done
