@@ -12,6 +12,10 @@ its event loop's epoll set and then waiting for the loop's next tick, and the
 loop ticks when an event arrives or its ``epoll_wait`` times out (10 ms). An
 idle group has no events, so its destroy waits for those timeouts: about 20 ms
 whatever its size, with the CPU idle meanwhile.
+
+The second line of each size shuts the group's connections first, as an abort
+or a mesh's close does (:mod:`scopedmesh.c10d.gloo_sockets`): the time to shut
+them (every peer learns then), and then to destroy the group.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from scopedmesh.c10d.gloo_sockets import Connections, event_loops
 
 TRIALS = 5
 
@@ -37,19 +43,32 @@ def free_port() -> int:
 def rank_main(rank: int, size: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
-    took = []
-    for _ in range(TRIALS):
+    plain, shut = [], []
+    for trial in range(2 * TRIALS):
+        loops = event_loops()
         group = dist.new_group(list(range(size)))
+        connections = Connections.find(loops)
         dist.all_reduce(torch.ones(4), group=group)
         dist.barrier()
+        found = len(connections)
         began = time.perf_counter()
+        if trial % 2:
+            connections.shut()
+        shut_at = time.perf_counter()
         dist.destroy_process_group(group)
         del group
-        took.append(time.perf_counter() - began)
+        ended = time.perf_counter()
+        if trial % 2:
+            shut.append((found, shut_at - began, ended - shut_at))
+        else:
+            plain.append(ended - began)
         dist.barrier()
     if rank == 0:
-        shown = ", ".join(f"{1000 * t:.1f}" for t in took)
+        shown = ", ".join(f"{1000 * t:.1f}" for t in plain)
         print(f"{size} ranks: destroying an idle group took {shown} ms", flush=True)
+        shown = ", ".join(f"{1000 * a:.1f} + {1000 * b:.1f}" for _, a, b in shut)
+        found = sorted({n for n, _, _ in shut})
+        print(f"{size} ranks: shutting its {found} connections, then destroying: {shown} ms")
     dist.destroy_process_group()
 
 

@@ -191,6 +191,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
             os.kill(pid, signal.SIGSTOP)
             time.sleep(stop[2])
             os.kill(pid, signal.SIGCONT)
+            stop = None  # once: a step redone after a heal does not stop it again
         failure: dict[str, Any] = {"step": step}
         try:
             with watch.step(mesh, "dp") as verdict:
@@ -236,12 +237,14 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     watch.close()
     watch.close()  # idempotent
     report["close_s"] = time.time() - closing
+    # A joined thread leaves /proc/self/task a moment after join() returns, and a gloo group
+    # an abort held busy is destroyed on a thread of its own once its collective has ended
+    # (a rank that sat out closes its mesh within ms of the abort: 40 ms measured).
+    settle = time.monotonic() + 2.0
+    while (_threads() > threads0 or _fds() - fds0) and time.monotonic() < settle:
+        time.sleep(0.01)
     # Descriptors opened since before the watch and still open: what it (or the mesh) leaked.
     report["fds_left"] = len(_fds() - fds0)
-    # A joined thread leaves /proc/self/task a moment after join() returns.
-    settle = time.monotonic() + 2.0
-    while _threads() > threads0 and time.monotonic() < settle:
-        time.sleep(0.01)
     report["threads_left"] = _threads() - threads0
     report["thread_names"] = sorted(
         Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from scopedmesh.c10d.gloo_sockets import Connections, event_loops
 from scopedmesh.errors import MeshClosedError
 
 __all__ = [
@@ -317,10 +318,13 @@ class ClosableGroup(dist.ProcessGroup):
     True
     """
 
-    def __init__(self, inner: dist.ProcessGroup) -> None:
+    def __init__(self, inner: dist.ProcessGroup, connections: Connections | None = None) -> None:
         # torch's stubs list only (store, rank, size); (rank, size) holds no store.
         super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
         self._inner: dist.ProcessGroup | None = inner
+        # The inner group's sockets, shut at once when an abort closes it idle.
+        self._connections = connections if connections is not None else Connections([])
+        self._dropping: threading.Thread | None = None  # gloo's destructor after an interrupt
         self._held: dist.ProcessGroup | None = None  # interrupted while busy: kept until settled
         self._handles: list[Handle] = []  # the handles of collectives in flight, as last seen
         self._given: weakref.WeakSet[Handle] = weakref.WeakSet()  # every handle still kept
@@ -345,45 +349,51 @@ class ClosableGroup(dist.ProcessGroup):
         """Drop the inner group: its sockets close and its threads end (local, idempotent).
 
         Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
-        The group is dropped here (gloo's destructor waits for a collective in
-        flight) and True is returned, except a group :meth:`interrupt` held
-        (its mesh was aborted while a collective was in flight, and it has not
-        ended in gloo yet): that one is dropped on a thread of its own, which
-        ends when the collective does (it fails as its peers' connections close,
-        at the latest at the group's timeout), and False is returned. A mesh's
-        close is the one caller: a heal's re-form never waits for a collective
-        the death left behind. The thread is not a daemon: the process waits
-        for it at exit (a gloo group destroyed as the interpreter ends aborts
-        the process: ``terminate called without an active exception``).
+        An idle group's connections are shut first (every peer learns at once,
+        not pair by pair as gloo's destructor reaches each), then the group is
+        dropped here (gloo's destructor waits for a collective in flight) and
+        True is returned, except a group :meth:`interrupt` held (its mesh was
+        aborted while a collective was in flight, and it has not ended in gloo
+        yet): that one is dropped on a thread of its own, which ends when the
+        collective does (it fails as its peers' connections close, at the
+        latest at the group's timeout), and False is returned. A group an abort
+        shut while idle is being destroyed on a thread since (:meth:`interrupt`):
+        that thread is waited for, up to :data:`DROP_WAIT` seconds (False past
+        it). A mesh's close is the one caller: a heal's re-form never waits for
+        a collective the death left behind.
         """
         with self._lock:
             if self._inner is not None:
                 self._released_because = because
             held_busy = self._held is not None and self._busy()
+            if not self._busy():
+                self._connections.shut()
             handles, self._handles = list(self._given), []
             box = [group for group in (self._inner, self._held) if group is not None]
             self._inner = self._held = None
             self._let_go(handles)
         if held_busy:
-            threading.Thread(
-                target=box.clear,  # the last references: gloo's destructor runs there
-                name="scopedmesh-gloo-close",
-                daemon=False,
-            ).start()
+            _drop_on_a_thread(box)
             return False
-        del box  # the last references: gloo closes its sockets here
+        del box  # the last references: gloo's destructor runs here
+        dropping = self._dropping
+        if dropping is not None:  # interrupted idle: its destructor is (nearly) done
+            dropping.join(DROP_WAIT)
+            return not dropping.is_alive()
         return True
 
     def interrupt(self, because: str) -> bool:
         """Shut the group down from another thread, without waiting for a collective on it.
 
         Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
-        If no collective is in flight, the connections close now, so peers
-        blocked in a collective with this rank raise at once; returns True.
-        Otherwise gloo's destructor would wait for that collective, so the group
-        is held and False is returned: the collective in flight ends (it
-        completes, or fails when a peer's connections close), and then
-        :meth:`settle` closes the connections. Local, idempotent.
+        If no collective is in flight, the connections are shut now, so peers
+        blocked in a collective with this rank raise at once, and the group is
+        dropped on a thread of its own (gloo's destructor waits for its event
+        loop's ticks); returns True. Otherwise gloo's destructor would wait for
+        that collective, so the group is held and False is returned: the
+        collective in flight ends (it completes, or fails when a peer's
+        connections close), and then :meth:`settle` shuts the connections.
+        Local, idempotent; it never waits.
         """
         with self._lock:
             inner = self._inner
@@ -396,7 +406,10 @@ class ClosableGroup(dist.ProcessGroup):
                 return False
             handles, self._handles = list(self._given), []
             self._let_go(handles)
-        del inner  # nothing in flight: the last reference, gloo closes its sockets here
+            self._connections.shut()  # every peer learns now, not as gloo's destructor gets there
+        box = [inner]
+        del inner
+        self._dropping = _drop_on_a_thread(box)
         return True
 
     def settle(self) -> bool:
@@ -419,7 +432,10 @@ class ClosableGroup(dist.ProcessGroup):
             self._held = None
             handles, self._handles = list(self._given), []
             self._let_go(handles)
-        del held  # the last reference: gloo closes its sockets here
+            self._connections.shut()  # idle now: every peer learns at once
+        box = [held]
+        del held
+        self._dropping = _drop_on_a_thread(box)
         return True
 
     def _let_go(self, handles: list[Handle]) -> None:
@@ -530,6 +546,16 @@ class ClosableGroup(dist.ProcessGroup):
     splitGroup = merge_remote_group = mergeRemoteGroup = split_group
 
 
+def _drop_on_a_thread(box: list[dist.ProcessGroup]) -> threading.Thread:
+    """Empty ``box``, which holds the last references to gloo groups, on a new thread: gloo's
+    destructor runs there. The thread is not a daemon: the process waits for it at exit (a
+    gloo group destroyed as the interpreter ends aborts the process: ``terminate called
+    without an active exception``)."""
+    thread = threading.Thread(target=box.clear, name="scopedmesh-gloo-close", daemon=False)
+    thread.start()
+    return thread
+
+
 class HandedOutBackend:
     """A :class:`ClosableGroup`'s gloo backend as ``_get_backend`` hands it out.
 
@@ -599,6 +625,10 @@ for _name in FORWARDED:
 del _name
 
 
+# How long a close waits for the destructor of a group an abort shut (about 10 ms: gloo's
+# event loop ends at its next tick); past it, the close returns and the thread goes on.
+DROP_WAIT = 10.0
+
 # The device the stand-in is registered for: one whose ``c10d::`` ops never reach a
 # backend (torch's meta kernels make a fake work without asking the group), so that
 # no tensor's op finds the stand-in; an op on CPU tensors finds no backend and raises.
@@ -637,7 +667,9 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     group size, the timeout, the group's name and its global ranks.
     """
     store, group_rank, group_size = options.store, options.group_rank, options.group_size
+    loops = event_loops()
     backend = dist.ProcessGroupGloo(store, group_rank, group_size, options.timeout)
+    connections = Connections.find(loops)  # the sockets of the event loop it made
     # What torch's own gloo branch sets on the options, where this torch has them.
     with contextlib.suppress(AttributeError):
         backend.options.global_ranks_in_group = options.global_ranks_in_group
@@ -646,7 +678,7 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     inner = dist.ProcessGroup(store, group_rank, group_size)
     inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    group = ClosableGroup(inner)
+    group = ClosableGroup(inner, connections)
     stand_in = _stand_in(group_rank, group_size)  # register() made sure this torch has one
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     device = torch.device(STAND_IN_DEVICE)  # never "cpu": see _stand_in

@@ -328,3 +328,40 @@ def point_to_point_through_c10d(rank: int, world: int) -> dict[str, Any]:
         out["aborted"] = attempts(group)
     out["closed"] = attempts(group)
     return out
+
+
+def shut_while_the_group_lives(rank: int, world: int) -> dict[str, Any]:
+    """Four ranks, no watch: ranks 1 to 3 start an all_reduce rank 0 never joins; rank 0
+    interrupts its idle group while still holding gloo's group (so gloo's destructor does
+    not run), and waits up to 20 s for its peers' all_reduces to fail. Each peer that
+    fails interrupts its own group (as a watch's abort would), so a failure reaches the
+    peers that waited on it. Rank 0 reports what it recorded and whether they failed."""
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    store = _c10d.default_store()
+    out: dict[str, Any] = {}
+    with ProcessGroupMesh(world, names=("dp",), timeout=60) as mesh:
+        group = mesh.get_group_along_axis("dp")
+        dist.all_reduce(torch.ones(1), group=group)  # every pair connected and used once
+        if rank == 0:
+            out["connections"] = len(group._connections)
+            alive = group._inner  # gloo's group outlives the interrupt: only a shut closes it
+            _meet(store, "shut/started", world)
+            time.sleep(0.05)  # the peers' all_reduces are waiting for this rank
+            out["idle"] = group.interrupt("when the test interrupted it")
+            try:
+                _until(lambda: int(store.add("shut/failed", 0)) == world - 1, "peers", 20.0)
+                out["peers failed while gloo's group lived"] = True
+            except TimeoutError:
+                out["peers failed while gloo's group lived"] = False
+            del alive
+        else:
+            work = dist.all_reduce(torch.ones(1), group=group, async_op=True)
+            _meet(store, "shut/started", world)
+            out["wait"] = _said(work.wait)
+            group.interrupt("when its all_reduce failed")
+            store.add("shut/failed", 1)
+    return out

@@ -200,3 +200,23 @@ def test_point_to_point_through_c10d_on_an_aborted_or_closed_group_fails() -> No
         for state in ("aborted", "closed"):
             for op, said in out[state].items():
                 assert said.startswith("raised"), (state, op, said)
+
+
+@needs_interrupt
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="found through /proc (Linux)")
+def test_an_interrupt_shuts_an_idle_groups_connections_at_once() -> None:
+    """Issue 45: an abort shuts an idle gloo group's sockets itself, so its peers learn at
+    once, not when gloo's destructor gets to each pair (a tick of its event loop each). Rank
+    0 keeps gloo's group alive past the interrupt: only the shut can end its peers'
+    all_reduces. Before the change they waited for the group's 60 s timeout."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_abort.shut_while_the_group_lives, 4, timeout=120)
+    shutter, peers = results[0], results[1:]
+    assert shutter["connections"] == 3, shutter  # one per peer: not the listener, not gloo's pipe
+    assert shutter["idle"] is True, shutter
+    assert shutter["peers failed while gloo's group lived"] is True, results
+    for out in peers:
+        assert out["wait"].startswith(("RuntimeError", "MeshClosedError")), results

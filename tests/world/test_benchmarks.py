@@ -308,11 +308,13 @@ def test_a_rank_that_checks_in_then_dies_had_checked_in() -> None:
 
     Every survivor reads, after agreeing, how the agreement accounted for each
     member: rank 6 as ``alive`` (it checked in itself), rank 5 (killed before) by the
-    store's list of deaths (no entry is written for it); all decide {5, 6}.
+    store's list of deaths (no entry is written for it); all decide {5, 6}. Rank 7,
+    stopped whole for 2 s as the step begins, holds the agreement open until rank 6's
+    death is known.
     """
     from benchmarks import heal_plan
 
-    plan = {"steps": 7, "kill": {"5": 3}, "die_checked_in": 6, "slow_agree": {"7": 2.0}}
+    plan = {"steps": 7, "kill": {"5": 3}, "die_checked_in": 6, "stop": [7, 3, 2.0]}
     result = heal_plan.launch(plan, timeout=300)
     reports = result["reports"]
     assert result["exitcodes"][6] == -9 and result["exitcodes"][5] == -9
