@@ -47,7 +47,7 @@ def rank_main(rank: int, size: int, port: int) -> None:
     for trial in range(2 * TRIALS):
         loops = event_loops()
         group = dist.new_group(list(range(size)))
-        connections = Connections.find(loops)
+        connections = Connections.find(loops, size=size)
         dist.all_reduce(torch.ones(4), group=group)
         dist.barrier()
         found = len(connections)

@@ -324,7 +324,8 @@ class ClosableGroup(dist.ProcessGroup):
         self._inner: dist.ProcessGroup | None = inner
         # The inner group's sockets, shut at once when an abort closes it idle.
         self._connections = connections if connections is not None else Connections([])
-        self._dropping: threading.Thread | None = None  # gloo's destructor after an interrupt
+        # gloo's destructor after an interrupt or a settle; set and read under the lock
+        self._dropping: threading.Thread | None = None
         self._held: dist.ProcessGroup | None = None  # interrupted while busy: kept until settled
         self._handles: list[Handle] = []  # the handles of collectives in flight, as last seen
         self._given: weakref.WeakSet[Handle] = weakref.WeakSet()  # every handle still kept
@@ -372,11 +373,11 @@ class ClosableGroup(dist.ProcessGroup):
             box = [group for group in (self._inner, self._held) if group is not None]
             self._inner = self._held = None
             self._let_go(handles)
+            dropping = self._dropping
         if held_busy:
             _drop_on_a_thread(box)
             return False
         del box  # the last references: gloo's destructor runs here
-        dropping = self._dropping
         if dropping is not None:  # interrupted idle: its destructor is (nearly) done
             dropping.join(DROP_WAIT)
             return not dropping.is_alive()
@@ -407,9 +408,9 @@ class ClosableGroup(dist.ProcessGroup):
             handles, self._handles = list(self._given), []
             self._let_go(handles)
             self._connections.shut()  # every peer learns now, not as gloo's destructor gets there
-        box = [inner]
-        del inner
-        self._dropping = _drop_on_a_thread(box)
+            box = [inner]
+            del inner
+            self._dropping = _drop_on_a_thread(box)  # under the lock: release() joins it
         return True
 
     def settle(self) -> bool:
@@ -433,9 +434,9 @@ class ClosableGroup(dist.ProcessGroup):
             handles, self._handles = list(self._given), []
             self._let_go(handles)
             self._connections.shut()  # idle now: every peer learns at once
-        box = [held]
-        del held
-        self._dropping = _drop_on_a_thread(box)
+            box = [held]
+            del held
+            self._dropping = _drop_on_a_thread(box)  # under the lock: release() joins it
         return True
 
     def _let_go(self, handles: list[Handle]) -> None:
@@ -546,13 +547,18 @@ class ClosableGroup(dist.ProcessGroup):
     splitGroup = merge_remote_group = mergeRemoteGroup = split_group
 
 
-def _drop_on_a_thread(box: list[dist.ProcessGroup]) -> threading.Thread:
+def _drop_on_a_thread(box: list[dist.ProcessGroup]) -> threading.Thread | None:
     """Empty ``box``, which holds the last references to gloo groups, on a new thread: gloo's
     destructor runs there. The thread is not a daemon: the process waits for it at exit (a
     gloo group destroyed as the interpreter ends aborts the process: ``terminate called
-    without an active exception``)."""
+    without an active exception``). Where no thread can start (the interpreter is ending),
+    ``box`` is emptied here and None is returned."""
     thread = threading.Thread(target=box.clear, name="scopedmesh-gloo-close", daemon=False)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        box.clear()
+        return None
     return thread
 
 
@@ -669,7 +675,7 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     store, group_rank, group_size = options.store, options.group_rank, options.group_size
     loops = event_loops()
     backend = dist.ProcessGroupGloo(store, group_rank, group_size, options.timeout)
-    connections = Connections.find(loops)  # the sockets of the event loop it made
+    connections = Connections.find(loops, size=group_size)  # those of the loop it made
     # What torch's own gloo branch sets on the options, where this torch has them.
     with contextlib.suppress(AttributeError):
         backend.options.global_ranks_in_group = options.global_ranks_in_group

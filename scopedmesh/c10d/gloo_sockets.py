@@ -8,23 +8,26 @@ idle group while its peers destroy theirs took about 20 ms
 blocked on this rank learns of the close only when its pair's turn comes.
 
 Each gloo group has an event loop of its own: one ``epoll`` instance, made while
-the group forms, in which gloo registers the group's sockets (its listener and
-one connection per peer). On Linux the kernel lists an epoll instance's
-registered descriptors, with their inodes, in ``/proc/self/fdinfo``. So
-:meth:`Connections.find` takes the one epoll instance that appeared while the
-group formed and records its connected sockets; :meth:`Connections.shut` shuts
-them down (``shutdown(2)``, both ways), which every peer sees at once as the
-connection closing, as if the group had been destroyed. Everything else (the
-listener, gloo's wake-up pipe) is left alone. Where the kernel gives no such
-list, or two groups formed at the same moment in this process, nothing is
+the group forms, in which gloo registers the group's listener, the read end of
+its wake-up pipe and one connection per peer. On Linux the kernel lists what
+an epoll instance holds, with each descriptor's inode, in ``/proc/self/fdinfo``.
+So :meth:`Connections.find` looks for the one instance that holds only
+descriptors no instance held before the group formed, and exactly what gloo's
+loop holds for a group of that size (one pipe, one listener, one connection
+per peer); it records the connections. :meth:`Connections.shut` shuts them down
+(``shutdown(2)``, both ways), which every peer sees at once as the connection
+closing, as if the group had been destroyed. Where the kernel gives no such
+list, gloo connects lazily, or no instance (or more than one) fits, nothing is
 recorded and a shut does nothing: the group closes as gloo closes it.
 
 Shut only a group with no collective in flight on this rank: gloo does not fail
 every operation of a pair that meets a shut connection mid-transfer
 (docs/measured.md: a send queued after ``EPIPE``, a receive begun).
 
->>> Connections([]).shut()
-0
+>>> loops = event_loops()
+>>> found = Connections.find(loops, size=2)   # no group formed since: nothing found
+>>> len(found), found.shut()
+(0, 0)
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import os
 import re
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 __all__ = ["Connections", "event_loops"]
 
@@ -43,16 +46,33 @@ _PROC = "/proc/self"
 # "tfd:       24 events:       19 data: 55c354b81898  pos:0 ino:6fd547 sdev:9".
 _TARGET = re.compile(r"tfd:\s*(\d+)\s.*\bino:([0-9a-f]+)")
 
+Target = tuple[int, int]  # a descriptor registered in an epoll instance, and its inode
 
-def event_loops() -> frozenset[tuple[int, int]]:
-    """This process's epoll instances now, as (descriptor, inode); empty off Linux."""
-    loops: set[tuple[int, int]] = set()
-    with contextlib.suppress(OSError):
+
+def event_loops() -> dict[int, frozenset[Target]]:
+    """This process's epoll instances now: each one's descriptor and what it holds.
+
+    >>> isinstance(event_loops(), dict)
+    True
+    """
+    loops: dict[int, frozenset[Target]] = {}
+    with contextlib.suppress(OSError):  # no /proc: nothing is ever recorded
         for name in os.listdir(f"{_PROC}/fd"):
             with contextlib.suppress(OSError):  # closed meanwhile
                 if os.readlink(f"{_PROC}/fd/{name}") == "anon_inode:[eventpoll]":
-                    loops.add((int(name), os.stat(f"{_PROC}/fd/{name}").st_ino))
-    return frozenset(loops)
+                    loops[int(name)] = _targets(int(name))
+    return loops
+
+
+def _targets(loop: int) -> frozenset[Target]:
+    """What the epoll instance ``loop`` holds, as (descriptor, inode) pairs."""
+    targets: set[Target] = set()
+    with open(f"{_PROC}/fdinfo/{loop}") as info:
+        for line in info:
+            match = _TARGET.match(line)
+            if match is not None:
+                targets.add((int(match.group(1)), int(match.group(2), 16)))
+    return frozenset(targets)
 
 
 class Connections:
@@ -61,33 +81,35 @@ class Connections:
     A descriptor is used only while it still names the same socket (its inode
     is checked on a duplicate), so a number gloo closed and the process reused
     is never touched.
+
+    >>> Connections([]).shut()
+    0
     """
 
     __slots__ = ("_sockets",)
 
-    def __init__(self, sockets: list[tuple[int, int]]) -> None:
+    def __init__(self, sockets: list[Target]) -> None:
         self._sockets = sockets
 
     @classmethod
-    def find(cls, before: frozenset[tuple[int, int]]) -> Connections:
-        """The connections of the gloo group formed since :func:`event_loops` gave ``before``.
-
-        Empty unless exactly one epoll instance appeared meanwhile.
-        """
-        appeared = event_loops() - before
-        if len(appeared) != 1:
-            return cls([])
-        ((loop, _),) = appeared
-        sockets: list[tuple[int, int]] = []
-        with contextlib.suppress(OSError), open(f"{_PROC}/fdinfo/{loop}") as info:
-            for line in info:
-                match = _TARGET.match(line)
-                if match is None:
-                    continue
-                target = (int(match.group(1)), int(match.group(2), 16))
-                if _is_connection(*target):
-                    sockets.append(target)
-        return cls(sockets)
+    def find(cls, before: Mapping[int, frozenset[Target]], *, size: int) -> Connections:
+        """The connections of the gloo group of ``size`` members formed since
+        :func:`event_loops` gave ``before``; empty unless exactly one epoll instance fits."""
+        held_before = frozenset().union(*before.values())
+        fits: list[list[Target]] = []
+        for loop, targets in event_loops().items():
+            if not targets or before.get(loop) == targets or targets & held_before:
+                continue  # an instance of before, or holding what one held then
+            kinds: dict[str, list[Target]] = {"pipe": [], "listener": [], "connection": []}
+            for target in targets:
+                kind = _kind(*target)
+                if kind is not None:
+                    kinds[kind].append(target)
+            if (len(kinds["pipe"]), len(kinds["listener"])) == (1, 1) and len(
+                kinds["connection"]
+            ) == size - 1 == len(targets) - 2:
+                fits.append(kinds["connection"])
+        return cls(fits[0] if len(fits) == 1 else [])
 
     def __len__(self) -> int:
         return len(self._sockets)
@@ -104,18 +126,35 @@ class Connections:
                         shut += 1
         return shut
 
-    def forget(self) -> None:
-        """Drop the record (the group closed the gloo way): nothing is shut later."""
-        self._sockets = []
-
     def __repr__(self) -> str:
         return f"<gloo connections {[fd for fd, _ in self._sockets]}>"
 
 
-def _is_connection(fd: int, inode: int) -> bool:
-    """Whether ``fd`` is the socket ``inode`` and a connection (not a listener)."""
-    with _same_socket(fd, inode) as sock:
-        return sock is not None and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+def _kind(fd: int, inode: int) -> str | None:
+    """``"connection"``, ``"listener"`` or ``"pipe"`` for the descriptor ``fd`` if it still
+    names ``inode``; None for anything else, or where it cannot be told."""
+    try:
+        copy = os.dup(fd)
+    except OSError:  # closed meanwhile
+        return None
+    try:
+        status = os.fstat(copy)
+        if status.st_ino != inode:
+            return None
+        if stat.S_ISFIFO(status.st_mode):
+            return "pipe"
+        if not stat.S_ISSOCK(status.st_mode):
+            return None
+        sock = socket.socket(fileno=copy)
+        try:
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        finally:
+            sock.detach()
+        return "listener" if listening else "connection"
+    except OSError:
+        return None
+    finally:
+        os.close(copy)
 
 
 @contextlib.contextmanager

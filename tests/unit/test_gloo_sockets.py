@@ -1,8 +1,9 @@
 """Finding a gloo group's connections through its event loop, and shutting them (Linux).
 
-An epoll instance made between two looks (``selectors.EpollSelector``, as gloo's
-loop makes one) stands in for a group's loop: what is registered in it is what
-:meth:`Connections.find` must find, listeners and pipes left out; a shut must
+An epoll instance made between two looks (``selectors.EpollSelector``) holding
+what gloo's loop holds for a group of 2 (a pipe, a listener, one connection)
+stands in for a group's loop: :meth:`Connections.find` must find that
+connection, and nothing where no instance, or more than one, fits. A shut must
 reach the peer, and never a socket that took a closed descriptor's number.
 The real groups are in ``tests/world/test_abort.py``.
 """
@@ -14,6 +15,7 @@ import selectors
 import socket
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -24,72 +26,104 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@dataclass
+class Loop:
+    """An epoll instance holding what gloo's loop holds for a group of 2."""
+
+    selector: selectors.EpollSelector = field(default_factory=selectors.EpollSelector)
+    listener: socket.socket = field(default_factory=lambda: socket.create_server(("127.0.0.1", 0)))
+    pair: tuple[socket.socket, socket.socket] = field(default_factory=socket.socketpair)
+    pipe: tuple[int, int] = field(default_factory=os.pipe)
+
+    def __post_init__(self) -> None:
+        for item in (self.listener, self.pair[0], self.pipe[0]):
+            self.selector.register(item, selectors.EVENT_READ)
+        self.pair[1].settimeout(5.0)  # a read that should see the close never hangs
+
+    def close(self) -> None:
+        self.selector.close()
+        for sock in (self.listener, *self.pair):
+            sock.close()
+        for fd in self.pipe:
+            os.close(fd)
+
+
 @pytest.fixture
-def loop() -> Iterator[tuple[selectors.EpollSelector, frozenset[tuple[int, int]]]]:
-    before = event_loops()
-    selector = selectors.EpollSelector()
-    yield selector, before
-    selector.close()
+def before() -> Iterator[dict[int, frozenset[tuple[int, int]]]]:
+    yield event_loops()
 
 
-def test_find_records_the_connections_of_the_one_new_loop_and_nothing_else(
-    loop: tuple[selectors.EpollSelector, frozenset[tuple[int, int]]],
+def test_find_records_the_connection_of_the_one_loop_that_fits(
+    before: dict[int, frozenset[tuple[int, int]]],
 ) -> None:
-    selector, before = loop
-    listener = socket.create_server(("127.0.0.1", 0))
-    ours, theirs = socket.socketpair()
-    reading, writing = os.pipe()
-    unregistered, _ = socket.socketpair()
-    for item in (listener, ours, reading):
-        selector.register(item, selectors.EVENT_READ)
+    loop = Loop()
     try:
-        found = Connections.find(before)
-        assert len(found) == 1, found  # the connection: not the listener, the pipe, the rest
+        found = Connections.find(before, size=2)
+        assert len(found) == 1, found  # the connection: not the listener, not the pipe
         assert found.shut() == 1
-        assert theirs.recv(1) == b""  # the peer sees the connection close at once
+        assert loop.pair[1].recv(1) == b""  # the peer sees the connection close at once
         assert found.shut() == 0  # once only
-        with pytest.raises(OSError):  # the descriptor is still open, only shut down
-            ours.send(b"x")
-        assert ours.fileno() >= 0
+        assert loop.pair[0].fileno() >= 0  # gloo's descriptor stays open: only shut down
     finally:
-        for item in (listener, ours, theirs, unregistered, _):
-            item.close()
-        os.close(reading)
-        os.close(writing)
+        loop.close()
 
 
-def test_two_new_loops_record_nothing(
-    loop: tuple[selectors.EpollSelector, frozenset[tuple[int, int]]],
+def test_a_loop_that_does_not_hold_what_gloos_holds_is_never_taken(
+    before: dict[int, frozenset[tuple[int, int]]],
 ) -> None:
-    selector, before = loop
-    other = selectors.EpollSelector()
-    ours, theirs = socket.socketpair()
-    selector.register(ours, selectors.EVENT_READ)
+    loop = Loop()
+    extra, extra_peer = socket.socketpair()
     try:
-        found = Connections.find(before)
-        assert len(found) == 0  # whose is which is not known: nothing is shut
-        assert found.shut() == 0
-        theirs.setblocking(False)
-        with pytest.raises(BlockingIOError):  # still open
-            theirs.recv(1)
+        assert len(Connections.find(before, size=3)) == 0  # one connection, not two
+        loop.selector.register(extra, selectors.EVENT_READ)
+        assert len(Connections.find(before, size=2)) == 0  # a socket more than gloo's
+        assert len(Connections.find(before, size=3)) == 2  # now it fits a group of 3
     finally:
-        other.close()
-        ours.close()
-        theirs.close()
+        loop.close()
+        extra.close()
+        extra_peer.close()
+
+
+def test_two_loops_that_fit_record_nothing(
+    before: dict[int, frozenset[tuple[int, int]]],
+) -> None:
+    first, second = Loop(), Loop()
+    try:
+        found = Connections.find(before, size=2)
+        assert len(found) == 0  # whose is which is not known: nothing is shut
+        first.pair[1].setblocking(False)
+        with pytest.raises(BlockingIOError):  # still open
+            first.pair[1].recv(1)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_loop_holding_what_an_earlier_loop_held_is_never_taken() -> None:
+    earlier = Loop()  # before the look: a watch's selector, another group
+    try:
+        before = event_loops()
+        later = selectors.EpollSelector()  # made since, over the earlier loop's sockets
+        for item in (earlier.listener, earlier.pair[0], earlier.pipe[0]):
+            later.register(item, selectors.EVENT_READ)
+        assert len(Connections.find(before, size=2)) == 0
+        later.close()
+    finally:
+        earlier.close()
 
 
 def test_a_descriptor_number_taken_by_another_socket_is_never_shut(
-    loop: tuple[selectors.EpollSelector, frozenset[tuple[int, int]]],
+    before: dict[int, frozenset[tuple[int, int]]],
 ) -> None:
-    selector, before = loop
-    ours, theirs = socket.socketpair()
-    selector.register(ours, selectors.EVENT_READ)
-    found = Connections.find(before)
+    loop = Loop()
+    found = Connections.find(before, size=2)
     assert len(found) == 1
+    ours = loop.pair[0]
     number = ours.fileno()
-    selector.unregister(ours)
+    loop.selector.unregister(ours)
     ours.close()  # gloo closed it; the number is free
     stranger, peer = socket.socketpair()
+    peer.settimeout(5.0)
     try:
         if stranger.fileno() != number:  # make the stranger take the number
             os.dup2(stranger.fileno(), number)
@@ -101,4 +135,4 @@ def test_a_descriptor_number_taken_by_another_socket_is_never_shut(
     finally:
         stranger.close()
         peer.close()
-        theirs.close()
+        loop.close()
