@@ -366,8 +366,9 @@ class ClosableGroup(dist.ProcessGroup):
         with self._lock:
             if self._inner is not None:
                 self._released_because = because
-            held_busy = self._held is not None and self._busy()
-            if not self._busy():
+            busy = self._busy()
+            held_busy = self._held is not None and busy
+            if not busy:
                 self._connections.shut()
             handles, self._handles = list(self._given), []
             box = [group for group in (self._inner, self._held) if group is not None]
@@ -405,12 +406,9 @@ class ClosableGroup(dist.ProcessGroup):
             if self._busy():
                 self._held = inner
                 return False
-            handles, self._handles = list(self._given), []
-            self._let_go(handles)
-            self._connections.shut()  # every peer learns now, not as gloo's destructor gets there
             box = [inner]
             del inner
-            self._dropping = _drop_on_a_thread(box)  # under the lock: release() joins it
+            self._close_idle(box)
         return True
 
     def settle(self) -> bool:
@@ -431,13 +429,20 @@ class ClosableGroup(dist.ProcessGroup):
             if self._busy():
                 return False
             self._held = None
-            handles, self._handles = list(self._given), []
-            self._let_go(handles)
-            self._connections.shut()  # idle now: every peer learns at once
             box = [held]
             del held
-            self._dropping = _drop_on_a_thread(box)  # under the lock: release() joins it
+            self._close_idle(box)
         return True
+
+    def _close_idle(self, box: list[dist.ProcessGroup]) -> None:
+        """Close the idle group ``box`` holds the last reference to, under the lock, which
+        the caller holds: let go of its handles, shut its connections (every peer learns
+        now, not as gloo's destructor gets there) and drop it on a thread that
+        :meth:`release` joins."""
+        handles, self._handles = list(self._given), []
+        self._let_go(handles)
+        self._connections.shut()
+        self._dropping = _drop_on_a_thread(box)
 
     def _let_go(self, handles: list[Handle]) -> None:
         """Let go of ``handles`` under the lock, which the caller holds: a ``settle`` or

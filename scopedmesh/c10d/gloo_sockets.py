@@ -118,11 +118,11 @@ class Connections:
         """Shut every connection down, both ways (once); the number shut. Never raises."""
         sockets, self._sockets = self._sockets, []
         shut = 0
-        for fd, inode in sockets:
-            with _same_socket(fd, inode) as sock:
-                if sock is not None:
+        for target in sockets:
+            with _still(*target) as found:
+                if found is not None and found[1] is not None:
                     with contextlib.suppress(OSError):  # the peer closed it first
-                        sock.shutdown(socket.SHUT_RDWR)
+                        found[1].shutdown(socket.SHUT_RDWR)
                         shut += 1
         return shut
 
@@ -133,48 +133,42 @@ class Connections:
 def _kind(fd: int, inode: int) -> str | None:
     """``"connection"``, ``"listener"`` or ``"pipe"`` for the descriptor ``fd`` if it still
     names ``inode``; None for anything else, or where it cannot be told."""
-    try:
-        copy = os.dup(fd)
-    except OSError:  # closed meanwhile
-        return None
-    try:
-        status = os.fstat(copy)
-        if status.st_ino != inode:
+    with _still(fd, inode) as found:
+        if found is None:
             return None
+        status, sock = found
         if stat.S_ISFIFO(status.st_mode):
             return "pipe"
-        if not stat.S_ISSOCK(status.st_mode):
+        if sock is None:
             return None
-        sock = socket.socket(fileno=copy)
-        try:
+        with contextlib.suppress(OSError):
             listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-        finally:
-            sock.detach()
-        return "listener" if listening else "connection"
-    except OSError:
+            return "listener" if listening else "connection"
         return None
-    finally:
-        os.close(copy)
 
 
 @contextlib.contextmanager
-def _same_socket(fd: int, inode: int) -> Iterator[socket.socket | None]:
-    """A socket on a duplicate of ``fd`` if it is still the socket ``inode``, else None;
-    the duplicate is closed on leaving (gloo's own descriptor is never closed here)."""
+def _still(fd: int, inode: int) -> Iterator[tuple[os.stat_result, socket.socket | None] | None]:
+    """Through a duplicate of ``fd``, while it still names the file ``inode``: its status and,
+    for a socket, a socket object on the duplicate; None if ``fd`` is closed or names
+    another file now. The duplicate is closed on leaving (gloo's own descriptor never)."""
     try:
         copy = os.dup(fd)
     except OSError:  # closed meanwhile
         yield None
         return
+    sock: socket.socket | None = None
     try:
-        status = os.fstat(copy)
-        if status.st_ino != inode or not stat.S_ISSOCK(status.st_mode):
+        status: os.stat_result | None = None
+        with contextlib.suppress(OSError):
+            status = os.fstat(copy)
+            if stat.S_ISSOCK(status.st_mode):
+                sock = socket.socket(fileno=copy)
+        if status is None or status.st_ino != inode:
             yield None
-            return
-        sock = socket.socket(fileno=copy)
-        try:
-            yield sock
-        finally:
-            sock.detach()
+        else:
+            yield status, sock
     finally:
+        if sock is not None:
+            sock.detach()  # the duplicate is closed below, once
         os.close(copy)
