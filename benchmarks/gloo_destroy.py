@@ -16,6 +16,11 @@ whatever its size, with the CPU idle meanwhile.
 The second line of each size shuts the group's connections first, as an abort
 or a mesh's close does (:mod:`scopedmesh.c10d.gloo_sockets`): the time to shut
 them (every peer learns then), and then to destroy the group.
+
+The third (4 and 8 ranks) closes the three idle groups a rank holds in a
+``(2, n/2)`` mesh (along each axis and over both): destroyed one after
+another, each waiting for its loop's tick, and by the mesh's close, which
+starts every group's destructor on a thread before it waits for any.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scopedmesh.c10d.gloo_sockets import Connections, event_loops
+from scopedmesh import ProcessGroupMesh
+from scopedmesh.c10d import groups as _c10d
+from scopedmesh.c10d.gloo_sockets import Connections, open_descriptors
 
 TRIALS = 5
 
@@ -45,9 +52,9 @@ def rank_main(rank: int, size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size)
     plain, shut = [], []
     for trial in range(2 * TRIALS):
-        loops = event_loops()
+        before = open_descriptors()
         group = dist.new_group(list(range(size)))
-        connections = Connections.find(loops, size=size)
+        connections = Connections.find(before, size=size)
         dist.all_reduce(torch.ones(4), group=group)
         dist.barrier()
         found = len(connections)
@@ -63,13 +70,42 @@ def rank_main(rank: int, size: int, port: int) -> None:
         else:
             plain.append(ended - began)
         dist.barrier()
+    serial, together = closing_a_mesh(size) if size >= 4 else ([], [])
     if rank == 0:
         shown = ", ".join(f"{1000 * t:.1f}" for t in plain)
         print(f"{size} ranks: destroying an idle group took {shown} ms", flush=True)
         shown = ", ".join(f"{1000 * a:.1f} + {1000 * b:.1f}" for _, a, b in shut)
         found = sorted({n for n, _, _ in shut})
         print(f"{size} ranks: shutting its {found} connections, then destroying: {shown} ms")
+        if serial:
+            shown = ", ".join(f"{1000 * t:.1f}" for t in serial)
+            print(f"{size} ranks: 3 idle groups of a mesh, one after another: {shown} ms")
+            shown = ", ".join(f"{1000 * t:.1f}" for t in together)
+            print(f"{size} ranks: the same, closed by the mesh (together): {shown} ms", flush=True)
     dist.destroy_process_group()
+
+
+def closing_a_mesh(size: int) -> tuple[list[float], list[float]]:
+    """Seconds to destroy this rank's three idle groups of a ``(2, size/2)`` mesh one after
+    another (``groups.destroy`` each), then (a new mesh each trial) by ``mesh.close()``."""
+    serial, together = [], []
+    for trial in range(2 * TRIALS):
+        mesh = ProcessGroupMesh(2, size // 2, names=("dp", "tp"))
+        groups = [mesh.get_group_along_axis(a) for a in ("dp", "tp", ("dp", "tp"))]
+        for group in groups:
+            dist.all_reduce(torch.ones(4), group=group)
+        dist.barrier()
+        began = time.perf_counter()
+        if trial % 2 == 0:
+            for group in groups:
+                _c10d.destroy(group)
+            serial.append(time.perf_counter() - began)
+        mesh.close()
+        if trial % 2:
+            together.append(time.perf_counter() - began)
+        del groups
+        dist.barrier()
+    return serial, together
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from scopedmesh.c10d.gloo_sockets import Connections, event_loops
+from scopedmesh.c10d.gloo_sockets import Connections, open_descriptors
 from scopedmesh.errors import MeshClosedError
 
 __all__ = [
@@ -346,22 +346,26 @@ class ClosableGroup(dist.ProcessGroup):
             )
         return inner
 
-    def release(self, because: str = "when its mesh closed") -> bool:
+    def release(self, because: str = "when its mesh closed", *, wait: bool = True) -> bool:
         """Drop the inner group: its sockets close and its threads end (local, idempotent).
 
         Later operations raise :class:`~scopedmesh.errors.MeshClosedError` at once.
         An idle group's connections are shut first (every peer learns at once,
         not pair by pair as gloo's destructor reaches each), then the group is
-        dropped here (gloo's destructor waits for a collective in flight) and
-        True is returned, except a group :meth:`interrupt` held (its mesh was
-        aborted while a collective was in flight, and it has not ended in gloo
-        yet): that one is dropped on a thread of its own, which ends when the
-        collective does (it fails as its peers' connections close, at the
-        latest at the group's timeout), and False is returned. A group an abort
-        shut while idle is being destroyed on a thread since (:meth:`interrupt`):
-        that thread is waited for, up to :data:`DROP_WAIT` seconds (False past
-        it). A mesh's close is the one caller: a heal's re-form never waits for
-        a collective the death left behind.
+        dropped here (gloo's destructor waits for a collective in flight, and
+        for its event loop's next tick: about 10 ms) and True is returned. With
+        ``wait=False`` an idle group is dropped on a thread instead (:attr:`dropping`),
+        so that a caller closing many groups waits for their ticks once, not once
+        per group; False is returned while that thread runs. A group
+        :meth:`interrupt` held (its mesh was aborted while a collective was in
+        flight, and it has not ended in gloo yet) is dropped on a thread of its
+        own, which ends when the collective does (it fails as its peers'
+        connections close, at the latest at the group's timeout), and False is
+        returned. A group an abort shut while idle is being destroyed on a
+        thread since (:meth:`interrupt`): that thread is waited for (unless
+        ``wait=False``), up to :data:`DROP_WAIT` seconds (False past it). A
+        mesh's close is the one caller: a heal's re-form never waits for a
+        collective the death left behind.
         """
         with self._lock:
             if self._inner is not None:
@@ -374,15 +378,26 @@ class ClosableGroup(dist.ProcessGroup):
             box = [group for group in (self._inner, self._held) if group is not None]
             self._inner = self._held = None
             self._let_go(handles)
+            if box and not (wait or busy):
+                self._dropping, box = _drop_on_a_thread(box), []  # the thread's list now
             dropping = self._dropping
         if held_busy:
             _drop_on_a_thread(box)
             return False
-        del box  # the last references: gloo's destructor runs here
-        if dropping is not None:  # interrupted idle: its destructor is (nearly) done
+        box.clear()  # if not dropped on a thread: the last references, gloo's destructor here
+        if dropping is None:
+            return True
+        if wait:
             dropping.join(DROP_WAIT)
-            return not dropping.is_alive()
-        return True
+        return not dropping.is_alive()
+
+    @property
+    def dropping(self) -> threading.Thread | None:
+        """The thread on which gloo's destructor of this group still runs (started by an
+        abort, a settle, or a ``release(wait=False)``), or None."""
+        with self._lock:
+            thread = self._dropping
+        return thread if thread is not None and thread.is_alive() else None
 
     def interrupt(self, because: str) -> bool:
         """Shut the group down from another thread, without waiting for a collective on it.
@@ -678,9 +693,9 @@ def make_closable_gloo(options: Any, backend_options: object | None = None) -> C
     group size, the timeout, the group's name and its global ranks.
     """
     store, group_rank, group_size = options.store, options.group_rank, options.group_size
-    loops = event_loops()
+    before = open_descriptors()
     backend = dist.ProcessGroupGloo(store, group_rank, group_size, options.timeout)
-    connections = Connections.find(loops, size=group_size)  # those of the loop it made
+    connections = Connections.find(before, size=group_size)  # those of the loop it made
     # What torch's own gloo branch sets on the options, where this torch has them.
     with contextlib.suppress(AttributeError):
         backend.options.global_ranks_in_group = options.global_ranks_in_group

@@ -11,10 +11,11 @@ Each gloo group has an event loop of its own: one ``epoll`` instance, made while
 the group forms, in which gloo registers the group's listener, the read end of
 its wake-up pipe and one connection per peer. On Linux the kernel lists what
 an epoll instance holds, with each descriptor's inode, in ``/proc/self/fdinfo``.
-So :meth:`Connections.find` looks for the one instance that holds only
-descriptors no instance held before the group formed, and exactly what gloo's
-loop holds for a group of that size (one pipe, one listener, one connection
-per peer); it records the connections. :meth:`Connections.shut` shuts them down
+So :meth:`Connections.find` looks, among the descriptors opened while the group
+formed (:func:`open_descriptors` before, ``/proc/self/fd`` after), for the one
+epoll instance that holds only such descriptors, and exactly what gloo's loop
+holds for a group of that size (one pipe, one listener, one connection per
+peer); it records the connections. :meth:`Connections.shut` shuts them down
 (``shutdown(2)``, both ways), which every peer sees at once as the connection
 closing, as if the group had been destroyed. Where the kernel gives no such
 list, gloo connects lazily, or no instance (or more than one) fits, nothing is
@@ -24,8 +25,8 @@ Shut only a group with no collective in flight on this rank: gloo does not fail
 every operation of a pair that meets a shut connection mid-transfer
 (docs/measured.md: a send queued after ``EPIPE``, a receive begun).
 
->>> loops = event_loops()
->>> found = Connections.find(loops, size=2)   # no group formed since: nothing found
+>>> before = open_descriptors()
+>>> found = Connections.find(before, size=2)   # no group formed since: nothing found
 >>> len(found), found.shut()
 (0, 0)
 """
@@ -37,11 +38,12 @@ import os
 import re
 import socket
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
-__all__ = ["Connections", "event_loops"]
+__all__ = ["Connections", "open_descriptors"]
 
 _PROC = "/proc/self"
+_EPOLL = "anon_inode:[eventpoll]"
 # One registered descriptor in an epoll instance's fdinfo, e.g.
 # "tfd:       24 events:       19 data: 55c354b81898  pos:0 ino:6fd547 sdev:9".
 _TARGET = re.compile(r"tfd:\s*(\d+)\s.*\bino:([0-9a-f]+)")
@@ -49,19 +51,39 @@ _TARGET = re.compile(r"tfd:\s*(\d+)\s.*\bino:([0-9a-f]+)")
 Target = tuple[int, int]  # a descriptor registered in an epoll instance, and its inode
 
 
-def event_loops() -> dict[int, frozenset[Target]]:
-    """This process's epoll instances now: each one's descriptor and what it holds.
+def open_descriptors() -> frozenset[int] | None:
+    """This process's open descriptors now; None where ``/proc`` cannot tell.
 
-    >>> isinstance(event_loops(), dict)
+    The listing's own descriptor, closed once it is read, is left out: the next
+    descriptor opened (gloo's, say) takes its number.
+
+    >>> 0 in (open_descriptors() or {0})
     True
     """
-    loops: dict[int, frozenset[Target]] = {}
-    with contextlib.suppress(OSError):  # no /proc: nothing is ever recorded
-        for name in os.listdir(f"{_PROC}/fd"):
-            with contextlib.suppress(OSError):  # closed meanwhile
-                if os.readlink(f"{_PROC}/fd/{name}") == "anon_inode:[eventpoll]":
-                    loops[int(name)] = _targets(int(name))
-    return loops
+    try:
+        listed = os.listdir(f"{_PROC}/fd")
+    except OSError:
+        return None
+    return frozenset(fd for fd in map(int, listed) if _is_open(fd))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _opened_since(before: frozenset[int]) -> dict[int, str]:
+    """The descriptors opened since ``before``, each with what it names (its link in
+    ``/proc/self/fd``: ``"socket:[7]"``, ``"pipe:[8]"``, ``"anon_inode:[eventpoll]"``)."""
+    links: dict[int, str] = {}
+    now = open_descriptors() or frozenset()
+    for fd in now - before:
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own among them)
+            links[fd] = os.readlink(f"{_PROC}/fd/{fd}")
+    return links
 
 
 def _targets(loop: int) -> frozenset[Target]:
@@ -92,23 +114,28 @@ class Connections:
         self._sockets = sockets
 
     @classmethod
-    def find(cls, before: Mapping[int, frozenset[Target]], *, size: int) -> Connections:
-        """The connections of the gloo group of ``size`` members formed since
-        :func:`event_loops` gave ``before``; empty unless exactly one epoll instance fits."""
-        held_before = frozenset().union(*before.values())
+    def find(cls, before: frozenset[int] | None, *, size: int) -> Connections:
+        """The connections of the gloo group of ``size`` members formed
+        since :func:`open_descriptors` gave ``before``; empty unless exactly one epoll
+        instance opened since then holds what gloo's loop holds, all opened since too."""
+        if before is None:  # no /proc: whose descriptor is whose is not known
+            return cls([])
+        links = _opened_since(before)
         fits: list[list[Target]] = []
-        for loop, targets in event_loops().items():
-            if not targets or before.get(loop) == targets or targets & held_before:
-                continue  # an instance of before, or holding what one held then
-            kinds: dict[str, list[Target]] = {"pipe": [], "listener": [], "connection": []}
-            for target in targets:
-                kind = _kind(*target)
-                if kind is not None:
-                    kinds[kind].append(target)
-            if (len(kinds["pipe"]), len(kinds["listener"])) == (1, 1) and len(
-                kinds["connection"]
-            ) == size - 1 == len(targets) - 2:
-                fits.append(kinds["connection"])
+        for loop in (fd for fd, link in links.items() if link == _EPOLL):
+            with contextlib.suppress(OSError):  # closed meanwhile: not a live group's
+                targets = _targets(loop)
+                if not targets or any(fd not in links for fd, _ in targets):
+                    continue  # holds a descriptor opened before the group formed
+                kinds: dict[str, list[Target]] = {"pipe": [], "listener": [], "connection": []}
+                for target in targets:
+                    kind = _kind(*target)
+                    if kind is not None:
+                        kinds[kind].append(target)
+                if (len(kinds["pipe"]), len(kinds["listener"])) == (1, 1) and len(
+                    kinds["connection"]
+                ) == size - 1 == len(targets) - 2:
+                    fits.append(kinds["connection"])
         return cls(fits[0] if len(fits) == 1 else [])
 
     def __len__(self) -> int:

@@ -66,6 +66,7 @@ __all__ = [
     "canonical_ranks",
     "default_store",
     "destroy",
+    "destroying",
     "group_name",
     "group_names",
     "incarnation_keys",
@@ -527,19 +528,31 @@ def is_live(group: dist.ProcessGroup) -> bool:
     return group in live_groups()  # empty when torch.distributed is not initialised
 
 
-def destroy(group: dist.ProcessGroup) -> bool:
+def destroy(group: dist.ProcessGroup, *, wait: bool = True) -> bool:
     """Destroy ``group`` if it is still live; never WORLD. Local: no communication.
 
     A closable gloo group is shut down too, live or not: its sockets close, its
     threads end, and a handle kept to it raises ``MeshClosedError`` from then on.
+    With ``wait=False`` its destructor, which waits for its event loop's next
+    tick (10 ms), may go on on a thread (:func:`destroying`).
     """
     closable = sys.modules.get("scopedmesh.c10d.closable")  # None: no group is closable yet
     if closable is not None and isinstance(group, closable.ClosableGroup):
         try:
             return _destroy(group)
         finally:
-            group.release()
+            group.release(wait=wait)
     return _destroy(group)
+
+
+def destroying(group: dist.ProcessGroup) -> threading.Thread | None:
+    """The thread on which the destructor of ``group`` (a closable gloo group) still runs,
+    or None."""
+    closable = sys.modules.get("scopedmesh.c10d.closable")
+    if closable is not None and isinstance(group, closable.ClosableGroup):
+        thread: threading.Thread | None = group.dropping
+        return thread
+    return None
 
 
 def _destroy(group: dist.ProcessGroup) -> bool:

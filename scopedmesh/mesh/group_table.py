@@ -35,6 +35,9 @@ __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
 
 GroupKey = tuple[range | tuple[int, ...], str]  # (global ranks in group order, backend name)
 FINISH_TIMEOUT = 60.0  # seconds to wait for an aborted mesh's NCCL aborts and destroys
+# Seconds a close waits for its gloo groups' destructors, together (each ends at its event
+# loop's next tick, about 10 ms); past it the close returns and the threads go on.
+DROP_WAIT = 10.0
 
 
 class Entry:
@@ -89,13 +92,15 @@ class GroupTable:
 
     An abort's NCCL work runs off the caller's thread (:meth:`abort`), and so does the
     destroying of the aborted NCCL groups when :attr:`hand_over` is set (a heal's
-    re-form: :func:`~scopedmesh.fault.heal.reform`); :attr:`inherited` is that work
-    of the table this one replaced, which :meth:`finish` waits for when this table's
-    mesh closes.
+    re-form: :func:`~scopedmesh.fault.heal.reform`), and the end of its gloo groups'
+    destructors (each waits for its event loop's 10 ms tick); :attr:`inherited` is that
+    work of the table this one replaced, which :meth:`finish` waits for when this
+    table's mesh closes.
     """
 
     __slots__ = (
         "_adopted",
+        "_dropping",
         "_entries",
         "_finishing",
         "_recorded",
@@ -130,7 +135,8 @@ class GroupTable:
         self.store_use = StoreUse()  # whether a formation clones torch's store client
         self.standby: StandbyPool | None = None  # groups formed ahead for this table's requests
         self._finishing: list[threading.Thread] = []  # NCCL aborts, then destroys, oldest first
-        self.hand_over = False  # True: destroy aborted NCCL groups off the closing thread
+        self._dropping: list[threading.Thread] = []  # gloo destructors a hand-over left running
+        self.hand_over = False  # True: leave destroys to threads the next table waits for
         self.inherited: list[threading.Thread] = []  # the replaced table's, for finish()
         self._record()
 
@@ -332,32 +338,44 @@ class GroupTable:
                 self._adopted.remove(group)
         aborted = [g for g in chosen if self.aborted and _nccl.needs_abort(g)]
         if not aborted:
-            return _destroy_all(chosen)
+            return self._destroy_now(chosen)
         rest = [g for g in chosen if g not in aborted]
         if self.hand_over:
             self._then(functools.partial(_destroy_all, aborted), "scopedmesh-nccl-destroy")
-            return _destroy_all(rest)
+            return self._destroy_now(rest)
         try:
             self.finish(own=True)
         except TimeoutError as error:  # the abort hangs: destroying now would race it
-            return [error, *_destroy_all(rest)]
-        return _destroy_all(chosen)
+            return [error, *self._destroy_now(rest)]
+        return self._destroy_now(chosen)
+
+    def _destroy_now(self, groups: list[dist.ProcessGroup]) -> list[Exception]:
+        """:func:`_destroy_all`, and the gloo destructors it leaves on threads waited for
+        together, up to :data:`DROP_WAIT`, or, with :attr:`hand_over`, left to the table
+        that replaces this one (:meth:`inherit`)."""
+        dropping: list[threading.Thread] = []
+        errors = _destroy_all(groups, dropping)
+        if self.hand_over:
+            self._dropping += dropping
+        else:
+            _nccl.join_within(dropping, DROP_WAIT)
+        return errors
 
     def inherit(self, replaced: GroupTable) -> None:
-        """Take over the NCCL work still running for ``replaced`` (whose mesh this table's
-        replaced), for :meth:`finish`."""
-        pending = [*replaced.inherited, *replaced._finishing]
+        """Take over the NCCL work and gloo destructors still running for ``replaced`` (whose
+        mesh this table's replaced), for :meth:`finish`."""
+        pending = [*replaced.inherited, *replaced._finishing, *replaced._dropping]
         self.inherited = [t for t in pending if t.is_alive()]  # not one more per heal
 
     def finish(self, *, own: bool = False, timeout: float = FINISH_TIMEOUT) -> None:
-        """Wait for the NCCL work of the table this one replaced (:attr:`inherited`), and
-        with ``own`` for this table's too (its aborts and destroys); ``TimeoutError``
+        """Wait for the work of the table this one replaced (:attr:`inherited`), and
+        with ``own`` for this table's too (its NCCL aborts and destroys); ``TimeoutError``
         naming what after ``timeout`` seconds."""
         threads = [*self.inherited, *(self._finishing if own else [])]
         running = _nccl.join_within(threads, timeout)
         if running:
             raise TimeoutError(
-                f"waited {timeout:g} s for {running[0].name} (an aborted mesh's NCCL "
+                f"waited {timeout:g} s for {running[0].name} (an aborted mesh's "
                 "communicators: ProcessGroup.abort or destroy_process_group) to end"
             )
 
@@ -403,15 +421,21 @@ class GroupTable:
         return own + list(self._adopted)
 
 
-def _destroy_all(groups: list[dist.ProcessGroup]) -> list[Exception]:
+def _destroy_all(
+    groups: list[dist.ProcessGroup], dropping: list[threading.Thread] | None = None
+) -> list[Exception]:
     """Destroy each of ``groups`` (:func:`scopedmesh.c10d.groups.destroy`); the failures,
-    first first. A failure does not stop the others."""
+    first first. A failure does not stop the others. With ``dropping``, a closable gloo
+    group's destructor may go on on a thread, added there (so that the groups' event
+    loops' ticks are waited for together, not one after another)."""
     errors: list[Exception] = []
     for group in groups:
         try:
-            _c10d.destroy(group)
+            _c10d.destroy(group, wait=dropping is None)
         except Exception as error:  # keep going: the other groups must still go
             errors.append(error)
+    if dropping is not None:
+        dropping += [t for t in map(_c10d.destroying, groups) if t is not None]
     return errors
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scopedmesh.c10d.gloo_sockets import Connections, event_loops
+from scopedmesh.c10d.gloo_sockets import Connections, open_descriptors
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="epoll and /proc/self/fdinfo are Linux's"
@@ -49,12 +49,12 @@ class Loop:
 
 
 @pytest.fixture
-def before() -> Iterator[dict[int, frozenset[tuple[int, int]]]]:
-    yield event_loops()
+def before() -> Iterator[frozenset[int] | None]:
+    yield open_descriptors()
 
 
 def test_find_records_the_connection_of_the_one_loop_that_fits(
-    before: dict[int, frozenset[tuple[int, int]]],
+    before: frozenset[int] | None,
 ) -> None:
     loop = Loop()
     try:
@@ -69,7 +69,7 @@ def test_find_records_the_connection_of_the_one_loop_that_fits(
 
 
 def test_a_loop_that_does_not_hold_what_gloos_holds_is_never_taken(
-    before: dict[int, frozenset[tuple[int, int]]],
+    before: frozenset[int] | None,
 ) -> None:
     loop = Loop()
     extra, extra_peer = socket.socketpair()
@@ -85,7 +85,7 @@ def test_a_loop_that_does_not_hold_what_gloos_holds_is_never_taken(
 
 
 def test_two_loops_that_fit_record_nothing(
-    before: dict[int, frozenset[tuple[int, int]]],
+    before: frozenset[int] | None,
 ) -> None:
     first, second = Loop(), Loop()
     try:
@@ -102,7 +102,7 @@ def test_two_loops_that_fit_record_nothing(
 def test_a_loop_holding_what_an_earlier_loop_held_is_never_taken() -> None:
     earlier = Loop()  # before the look: a watch's selector, another group
     try:
-        before = event_loops()
+        before = open_descriptors()
         later = selectors.EpollSelector()  # made since, over the earlier loop's sockets
         for item in (earlier.listener, earlier.pair[0], earlier.pipe[0]):
             later.register(item, selectors.EVENT_READ)
@@ -113,7 +113,7 @@ def test_a_loop_holding_what_an_earlier_loop_held_is_never_taken() -> None:
 
 
 def test_a_descriptor_number_taken_by_another_socket_is_never_shut(
-    before: dict[int, frozenset[tuple[int, int]]],
+    before: frozenset[int] | None,
 ) -> None:
     loop = Loop()
     found = Connections.find(before, size=2)
@@ -136,3 +136,13 @@ def test_a_descriptor_number_taken_by_another_socket_is_never_shut(
         stranger.close()
         peer.close()
         loop.close()
+
+
+def test_the_listings_own_descriptor_is_not_counted_open() -> None:
+    before = open_descriptors()
+    assert before is not None
+    opened = os.open(os.devnull, os.O_RDONLY)  # takes the lowest free number
+    try:
+        assert opened not in before  # else a loop opened now could hold it: never found
+    finally:
+        os.close(opened)

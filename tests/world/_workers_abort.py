@@ -365,3 +365,78 @@ def shut_while_the_group_lives(rank: int, world: int) -> dict[str, Any]:
             group.interrupt("when its all_reduce failed")
             store.add("shut/failed", 1)
     return out
+
+
+def gloo_destructors_on_threads(rank: int, world: int) -> dict[str, Any]:
+    """Four ranks, no watch, a 2 x 2 (dp, tp) mesh with three gloo groups per rank. gloo's
+    destructor of each group is held on its thread until this worker lets it go, so what
+    waits for it is seen. (1) A close starts every group's destructor before it waits for
+    any. (2) After an abort, a heal's re-form returns with the destructors still running:
+    the healed mesh inherits them, and its close waits for them."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from scopedmesh.c10d import closable
+    from scopedmesh.fault.heal import reform
+    from scopedmesh.mesh import ProcessGroupMesh
+
+    let_go = threading.Event()
+    started: list[threading.Thread] = []
+    real = closable._drop_on_a_thread
+
+    def held(box: list[Any]) -> threading.Thread:
+        def drop() -> None:
+            let_go.wait(60)
+            box.clear()
+
+        thread = threading.Thread(target=drop, name="scopedmesh-gloo-close")
+        started.append(thread)
+        thread.start()
+        return thread
+
+    def mesh_in_use() -> Any:
+        mesh = ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=60)
+        for axes in ("dp", "tp", ("dp", "tp")):
+            dist.all_reduce(torch.ones(1), group=mesh.get_group_along_axis(axes))
+        return mesh
+
+    def within(condition: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    out: dict[str, Any] = {}
+    closable._drop_on_a_thread = held  # type: ignore[assignment]
+    try:
+        mesh = mesh_in_use()
+        closer = threading.Thread(target=mesh.close)
+        closer.start()
+        out["close started all 3 before any ended"] = within(lambda: len(started) == 3, 5.0)
+        let_go.set()
+        closer.join(60)
+        out["closed"] = not closer.is_alive() and mesh.closed
+        _meet(_c10d.default_store(), "drops/first", world)
+
+        let_go.clear()
+        started.clear()
+        mesh = mesh_in_use()
+        mesh.abort("when the test aborted it")
+        healed = reform(mesh, lost=[], axis="dp")
+        out["re-form returned, destructors running"] = sum(t.is_alive() for t in started)
+        out["inherited"] = sum(t in healed._table.inherited for t in started)
+        closer = threading.Thread(target=healed.close)
+        closer.start()
+        closer.join(0.3)
+        out["healed close waited"] = closer.is_alive()
+        let_go.set()
+        closer.join(60)
+        out["all ended"] = not closer.is_alive() and not any(t.is_alive() for t in started)
+    finally:
+        closable._drop_on_a_thread = real
+        let_go.set()
+    return out

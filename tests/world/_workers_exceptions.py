@@ -80,11 +80,11 @@ def close_fails(rank: int) -> dict[str, Any]:
     real = _c10d.destroy
     calls: list[int] = []
 
-    def flaky(group: dist.ProcessGroup) -> bool:
+    def flaky(group: dist.ProcessGroup, **options: Any) -> bool:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected destroy failure")
-        return real(group)
+        return real(group, **options)
 
     before = live()
     for in_flight in (False, True):

@@ -451,7 +451,7 @@ def exception_propagates(rank: int, world_size: int) -> dict[str, Any]:
     mesh = mesh3()
     original = _c10d.destroy
 
-    def broken(group: dist.ProcessGroup) -> bool:
+    def broken(group: dist.ProcessGroup, **options: Any) -> bool:
         raise RuntimeError("destroy failed")
 
     leaked: list[dist.ProcessGroup] = []

@@ -220,3 +220,23 @@ def test_an_interrupt_shuts_an_idle_groups_connections_at_once() -> None:
     assert shutter["peers failed while gloo's group lived"] is True, results
     for out in peers:
         assert out["wait"].startswith(("RuntimeError", "MeshClosedError")), results
+
+
+@needs_interrupt
+def test_gloo_destructors_run_together_and_a_heal_hands_them_to_the_healed_mesh() -> None:
+    """Issue 45: gloo's destructor of an idle group waits for its event loop's 10 ms tick.
+    A close starts every group's destructor before it waits for one (not one tick per group
+    in turn), and a heal's re-form does not wait for them at all: the healed mesh inherits
+    them, and its own close waits for them, so closed still means destroyed."""
+    import _workers_abort
+
+    from scopedmesh.testing import run_world
+
+    results = run_world(_workers_abort.gloo_destructors_on_threads, 4, timeout=180)
+    for out in results:
+        assert out["close started all 3 before any ended"] is True, results
+        assert out["closed"] is True, results
+        assert out["re-form returned, destructors running"] == 3, results
+        assert out["inherited"] == 3, results
+        assert out["healed close waited"] is True, results
+        assert out["all ended"] is True, results
