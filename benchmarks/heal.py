@@ -5,6 +5,7 @@
     .venv/bin/python -m benchmarks.heal --standby on       # survivors' groups formed ahead
     .venv/bin/python -m benchmarks.heal --against torchft  # side by side with torchft 0.2.0
     .venv/bin/python -m benchmarks.heal --against torchft --burn  # the same, under load
+    .venv/bin/python -m benchmarks.heal --against torchft --burn --standby on  # ours with standby groups
     .venv/bin/python -m benchmarks.heal --backend nccl     # on a GPU host (benchmarks.heal_nccl)
     .venv/bin/python -m benchmarks.heal --grow             # grow back (benchmarks.grow)
 

@@ -9,7 +9,9 @@ the kill to the latest survivor's first committed step without the dead
 replica.
 
 - **scopedmesh**: a 4 x 1 (dp, tp) mesh guarded by a ``LivenessWatch`` (20 ms),
-  healed under ``watch.step(mesh, "dp")`` (:mod:`benchmarks.heal_random`).
+  healed under ``watch.step(mesh, "dp")`` (:mod:`benchmarks.heal_random`); with
+  ``--standby on`` the survivors' groups for any lost replica are formed before
+  the kill (``prepare_standby``), as on the main command.
 - **torchft 0.2.0**: its Lighthouse (``torchft._torchft.LighthouseServer``) in
   the launcher; per replica a process with its own ``TCPStore``, a
   ``torchft.Manager`` (``min_replica_size=2``, ``ProcessGroupGloo``; its
@@ -293,10 +295,14 @@ def main(args: argparse.Namespace) -> int:
     seed = random.Random(args.seed)
     started = time.monotonic()
     load_before = load()
-    systems = ["scopedmesh", *CONFIGS]
+    if args.standby == "both":
+        raise SystemExit("heal: --standby both alternates on NCCL only (--backend nccl)")
+    standby = args.standby == "on"  # the survivors' groups formed before the kill
+    us = "scopedmesh, standby" if standby else "scopedmesh"
+    systems = [us, *CONFIGS]
     times: dict[str, list[float]] = {name: [] for name in systems}
     failures: list[str] = []
-    plan = heal_random.plan_for("4x1", timeout=timeout)
+    plan = heal_random.plan_for("4x1", timeout=timeout, standby=standby)
     print(
         f"{REPLICAS} replicas of 1 rank, gloo, a 4 MiB all_reduce per step, {kills} kills each, "
         f"collective timeout {timeout:g} s on both; {load_before}",
@@ -310,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
         row = []
         for name in systems:
             rng = random.Random(kill_seed)  # the same victim and moment (in steps) for each
-            if name == "scopedmesh":
+            if name == us:
                 kill = heal_random.launch(plan, rng)
                 heal_random.check(kill, plan)
                 took, where = heal_random.phases(kill)[-1], kill.where
@@ -337,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
             f"over {len(healed)} kills healed of {kills}",
             flush=True,
         )
-    ours = medians["scopedmesh"]
+    ours = medians[us]
     wall = time.monotonic() - started
     print(f"wall {wall:.0f} s; {load_before} before, {load()} after", flush=True)
     ratios = ", ".join(f"{name} {medians[name] / ours:.1f}x" for name in CONFIGS)
@@ -346,7 +352,7 @@ def main(args: argparse.Namespace) -> int:
     verdict = "met" if ours * goal <= fastest else "missed"
     burn = ", under load (a CPU burner per core)" if args.burn else ""
     print(
-        f"heal vs torchft{burn}: scopedmesh median {ours:.3f} s; torchft's median over ours: "
+        f"heal vs torchft{burn}: {us} median {ours:.3f} s; torchft's median over ours: "
         f"{ratios} (goal, torchft's fastest median at least {goal}x ours: {verdict})"
     )
     if args.out:
@@ -354,7 +360,8 @@ def main(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "command": "python -m benchmarks.heal --against torchft"
-                    + (" --burn" if args.burn else ""),
+                    + (" --burn" if args.burn else "")
+                    + (" --standby on" if standby else ""),
                     "torch": torch.__version__,
                     "torchft_configs": CONFIGS,
                     "wall_s": wall,
