@@ -394,7 +394,9 @@ class ClosableGroup(dist.ProcessGroup):
     @property
     def dropping(self) -> threading.Thread | None:
         """The thread on which gloo's destructor of this group still runs (started by an
-        abort, a settle, or a ``release(wait=False)``), or None."""
+        abort, a settle, or a ``release(wait=False)``), or None. A group :meth:`interrupt`
+        held and still busy at its release is dropped on a thread not recorded here: it
+        ends with the collective, which nobody waits for."""
         with self._lock:
             thread = self._dropping
         return thread if thread is not None and thread.is_alive() else None

@@ -11,11 +11,11 @@ Each gloo group has an event loop of its own: one ``epoll`` instance, made while
 the group forms, in which gloo registers the group's listener, the read end of
 its wake-up pipe and one connection per peer. On Linux the kernel lists what
 an epoll instance holds, with each descriptor's inode, in ``/proc/self/fdinfo``.
-So :meth:`Connections.find` looks, among the descriptors opened while the group
-formed (:func:`open_descriptors` before, ``/proc/self/fd`` after), for the one
-epoll instance that holds only such descriptors, and exactly what gloo's loop
-holds for a group of that size (one pipe, one listener, one connection per
-peer); it records the connections. :meth:`Connections.shut` shuts them down
+So :meth:`Connections.find` looks for the one epoll instance that holds only
+descriptors opened while the group formed (each descriptor's file, by
+:func:`open_descriptors` before and after: a number reused names another
+inode), and exactly what gloo's loop holds for a group of that size (one
+pipe, one listener, one connection per peer); it records the connections. :meth:`Connections.shut` shuts them down
 (``shutdown(2)``, both ways), which every peer sees at once as the connection
 closing, as if the group had been destroyed. Where the kernel gives no such
 list, gloo connects lazily, or no instance (or more than one) fits, nothing is
@@ -40,7 +40,7 @@ import socket
 import stat
 from collections.abc import Iterator
 
-__all__ = ["Connections", "open_descriptors"]
+__all__ = ["Connections", "Descriptors", "open_descriptors"]
 
 _PROC = "/proc/self"
 _EPOLL = "anon_inode:[eventpoll]"
@@ -51,39 +51,43 @@ _TARGET = re.compile(r"tfd:\s*(\d+)\s.*\bino:([0-9a-f]+)")
 Target = tuple[int, int]  # a descriptor registered in an epoll instance, and its inode
 
 
-def open_descriptors() -> frozenset[int] | None:
-    """This process's open descriptors now; None where ``/proc`` cannot tell.
+Descriptors = dict[int, tuple[int, int, int]]  # fd -> the file it names: device, inode, type
 
-    The listing's own descriptor, closed once it is read, is left out: the next
-    descriptor opened (gloo's, say) takes its number.
 
-    >>> 0 in (open_descriptors() or {0})
+def open_descriptors() -> Descriptors | None:
+    """This process's open descriptors now, each with the file it names (device, inode and
+    type bits); None where ``/proc`` cannot tell.
+
+    A number closed and opened again names another file (another inode), so a
+    descriptor opened since is told apart even where it took a closed one's
+    number, as gloo's do while another group's destructor closes its own. The
+    listing's own descriptor, closed once it is read, is left out.
+
+    >>> 0 in (open_descriptors() or {0: None})
     True
     """
     try:
         listed = os.listdir(f"{_PROC}/fd")
     except OSError:
         return None
-    return frozenset(fd for fd in map(int, listed) if _is_open(fd))
+    found: Descriptors = {}
+    for fd in map(int, listed):
+        with contextlib.suppress(OSError):  # closed since it was listed
+            status = os.fstat(fd)
+            found[fd] = (status.st_dev, status.st_ino, stat.S_IFMT(status.st_mode))
+    return found
 
 
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
-
-
-def _opened_since(before: frozenset[int]) -> dict[int, str]:
-    """The descriptors opened since ``before``, each with what it names (its link in
-    ``/proc/self/fd``: ``"socket:[7]"``, ``"pipe:[8]"``, ``"anon_inode:[eventpoll]"``)."""
-    links: dict[int, str] = {}
-    now = open_descriptors() or frozenset()
-    for fd in now - before:
-        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own among them)
-            links[fd] = os.readlink(f"{_PROC}/fd/{fd}")
-    return links
+def _event_loops(now: Descriptors) -> list[int]:
+    """The epoll instances among ``now`` (anonymous inodes: their inode names no instance,
+    so every one is a candidate, whether its number is new or not)."""
+    loops = []
+    for fd, (_, _, kind) in now.items():
+        if kind == 0:  # an anonymous inode: epoll, eventfd, timerfd, ...
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{_PROC}/fd/{fd}") == _EPOLL:
+                    loops.append(fd)
+    return loops
 
 
 def _targets(loop: int) -> frozenset[Target]:
@@ -114,19 +118,23 @@ class Connections:
         self._sockets = sockets
 
     @classmethod
-    def find(cls, before: frozenset[int] | None, *, size: int) -> Connections:
-        """The connections of the gloo group of ``size`` members formed
-        since :func:`open_descriptors` gave ``before``; empty unless exactly one epoll
-        instance opened since then holds what gloo's loop holds, all opened since too."""
+    def find(cls, before: Descriptors | None, *, size: int) -> Connections:
+        """The connections of the gloo group of ``size`` members formed since
+        :func:`open_descriptors` gave ``before``: those of the one epoll instance that holds
+        only descriptors opened since, exactly what gloo's loop holds for that size; empty
+        unless exactly one instance fits."""
         if before is None:  # no /proc: whose descriptor is whose is not known
             return cls([])
-        links = _opened_since(before)
+        now = open_descriptors() or {}
+        opened = {fd: ident for fd, ident in now.items() if before.get(fd) != ident}
         fits: list[list[Target]] = []
-        for loop in (fd for fd, link in links.items() if link == _EPOLL):
+        for loop in _event_loops(now):
             with contextlib.suppress(OSError):  # closed meanwhile: not a live group's
                 targets = _targets(loop)
-                if not targets or any(fd not in links for fd, _ in targets):
-                    continue  # holds a descriptor opened before the group formed
+                if not targets or any(
+                    fd not in opened or opened[fd][1] != inode for fd, inode in targets
+                ):
+                    continue  # holds a descriptor open before the group formed
                 kinds: dict[str, list[Target]] = {"pipe": [], "listener": [], "connection": []}
                 for target in targets:
                     kind = _kind(*target)

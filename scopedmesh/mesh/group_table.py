@@ -34,7 +34,7 @@ from scopedmesh.errors import GroupFormationError, MeshClosedError
 __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
 
 GroupKey = tuple[range | tuple[int, ...], str]  # (global ranks in group order, backend name)
-FINISH_TIMEOUT = 60.0  # seconds to wait for an aborted mesh's NCCL aborts and destroys
+FINISH_TIMEOUT = 60.0  # seconds to wait for a replaced mesh's NCCL work and gloo destructors
 # Seconds a close waits for its gloo groups' destructors, together (each ends at its event
 # loop's next tick, about 10 ms); past it the close returns and the threads go on.
 DROP_WAIT = 10.0
@@ -357,8 +357,13 @@ class GroupTable:
         errors = _destroy_all(groups, dropping)
         if self.hand_over:
             self._dropping += dropping
-        else:
-            _nccl.join_within(dropping, DROP_WAIT)
+        elif running := _nccl.join_within(dropping, DROP_WAIT):
+            errors.append(
+                TimeoutError(
+                    f"waited {DROP_WAIT:g} s for {len(running)} gloo group destructors "
+                    f"({running[0].name}) to end; they go on on their threads"
+                )
+            )
         return errors
 
     def inherit(self, replaced: GroupTable) -> None:
@@ -375,8 +380,9 @@ class GroupTable:
         running = _nccl.join_within(threads, timeout)
         if running:
             raise TimeoutError(
-                f"waited {timeout:g} s for {running[0].name} (an aborted mesh's "
-                "communicators: ProcessGroup.abort or destroy_process_group) to end"
+                f"waited {timeout:g} s for {running[0].name} (the teardown of an aborted "
+                "mesh's groups: NCCL's ProcessGroup.abort or destroy_process_group, or "
+                "gloo's destructor) to end"
             )
 
     def _shut_down(self, groups: list[dist.ProcessGroup]) -> None:

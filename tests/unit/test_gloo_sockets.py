@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scopedmesh.c10d.gloo_sockets import Connections, open_descriptors
+from scopedmesh.c10d.gloo_sockets import Connections, Descriptors, open_descriptors
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="epoll and /proc/self/fdinfo are Linux's"
@@ -49,12 +49,12 @@ class Loop:
 
 
 @pytest.fixture
-def before() -> Iterator[frozenset[int] | None]:
+def before() -> Iterator[Descriptors | None]:
     yield open_descriptors()
 
 
 def test_find_records_the_connection_of_the_one_loop_that_fits(
-    before: frozenset[int] | None,
+    before: Descriptors | None,
 ) -> None:
     loop = Loop()
     try:
@@ -69,7 +69,7 @@ def test_find_records_the_connection_of_the_one_loop_that_fits(
 
 
 def test_a_loop_that_does_not_hold_what_gloos_holds_is_never_taken(
-    before: frozenset[int] | None,
+    before: Descriptors | None,
 ) -> None:
     loop = Loop()
     extra, extra_peer = socket.socketpair()
@@ -85,7 +85,7 @@ def test_a_loop_that_does_not_hold_what_gloos_holds_is_never_taken(
 
 
 def test_two_loops_that_fit_record_nothing(
-    before: frozenset[int] | None,
+    before: Descriptors | None,
 ) -> None:
     first, second = Loop(), Loop()
     try:
@@ -113,7 +113,7 @@ def test_a_loop_holding_what_an_earlier_loop_held_is_never_taken() -> None:
 
 
 def test_a_descriptor_number_taken_by_another_socket_is_never_shut(
-    before: frozenset[int] | None,
+    before: Descriptors | None,
 ) -> None:
     loop = Loop()
     found = Connections.find(before, size=2)
@@ -146,3 +146,19 @@ def test_the_listings_own_descriptor_is_not_counted_open() -> None:
         assert opened not in before  # else a loop opened now could hold it: never found
     finally:
         os.close(opened)
+
+
+def test_a_loop_made_at_the_numbers_of_descriptors_closed_meanwhile_is_found() -> None:
+    """While a group forms, another group's destructor (a heal's, left to a thread) closes
+    its descriptors, and the new group's take their numbers: they are new all the same."""
+    old = Loop()
+    before = open_descriptors()
+    old.close()
+    new = Loop()  # the lowest free numbers: the old loop's
+    try:
+        numbers = {new.selector.fileno(), new.listener.fileno(), new.pair[0].fileno(), new.pipe[0]}
+        assert before is not None and numbers & set(before)  # else this proves nothing
+        found = Connections.find(before, size=2)
+        assert len(found) == 1, found
+    finally:
+        new.close()

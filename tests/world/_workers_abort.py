@@ -417,6 +417,8 @@ def gloo_destructors_on_threads(rank: int, world: int) -> dict[str, Any]:
         closer = threading.Thread(target=mesh.close)
         closer.start()
         out["close started all 3 before any ended"] = within(lambda: len(started) == 3, 5.0)
+        closer.join(0.3)
+        out["close waited"] = closer.is_alive()
         let_go.set()
         closer.join(60)
         out["closed"] = not closer.is_alive() and mesh.closed

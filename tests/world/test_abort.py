@@ -235,6 +235,7 @@ def test_gloo_destructors_run_together_and_a_heal_hands_them_to_the_healed_mesh(
     results = run_world(_workers_abort.gloo_destructors_on_threads, 4, timeout=180)
     for out in results:
         assert out["close started all 3 before any ended"] is True, results
+        assert out["close waited"] is True, results
         assert out["closed"] is True, results
         assert out["re-form returned, destructors running"] == 3, results
         assert out["inherited"] == 3, results
