@@ -354,9 +354,10 @@ class ClosableGroup(dist.ProcessGroup):
         not pair by pair as gloo's destructor reaches each), then the group is
         dropped here (gloo's destructor waits for a collective in flight, and
         for its event loop's next tick: about 10 ms) and True is returned. With
-        ``wait=False`` an idle group is dropped on a thread instead (:attr:`dropping`),
-        so that a caller closing many groups waits for their ticks once, not once
-        per group; False is returned while that thread runs. A group
+        ``wait=False`` an idle group is dropped on a thread instead
+        (:attr:`dropping`), so that a caller closing many groups waits for their
+        ticks once, not once per group; False is returned while that thread
+        runs. A group
         :meth:`interrupt` held (its mesh was aborted while a collective was in
         flight, and it has not ended in gloo yet) is dropped on a thread of its
         own, which ends when the collective does (it fails as its peers'

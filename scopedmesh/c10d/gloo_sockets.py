@@ -15,9 +15,10 @@ So :meth:`Connections.find` looks for the one epoll instance that holds only
 descriptors opened while the group formed (each descriptor's file, by
 :func:`open_descriptors` before and after: a number reused names another
 inode), and exactly what gloo's loop holds for a group of that size (one
-pipe, one listener, one connection per peer); it records the connections. :meth:`Connections.shut` shuts them down
-(``shutdown(2)``, both ways), which every peer sees at once as the connection
-closing, as if the group had been destroyed. Where the kernel gives no such
+pipe, one listener, one connection per peer); it records the connections.
+:meth:`Connections.shut` shuts them down (``shutdown(2)``, both ways), which
+every peer sees at once as the connection closing, as if the group had been
+destroyed. Where the kernel gives no such
 list, gloo connects lazily, or no instance (or more than one) fits, nothing is
 recorded and a shut does nothing: the group closes as gloo closes it.
 
