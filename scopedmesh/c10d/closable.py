@@ -357,12 +357,11 @@ class ClosableGroup(dist.ProcessGroup):
         ``wait=False`` an idle group is dropped on a thread instead
         (:attr:`dropping`), so that a caller closing many groups waits for their
         ticks once, not once per group; False is returned while that thread
-        runs. A group
-        :meth:`interrupt` held (its mesh was aborted while a collective was in
-        flight, and it has not ended in gloo yet) is dropped on a thread of its
-        own, which ends when the collective does (it fails as its peers'
-        connections close, at the latest at the group's timeout), and False is
-        returned. A group an abort shut while idle is being destroyed on a
+        runs. A group :meth:`interrupt` held (its mesh was aborted while a
+        collective was in flight, and it has not ended in gloo yet) is dropped
+        on a thread of its own, which ends when the collective does (it fails as
+        its peers' connections close, at the latest at the group's timeout), and
+        False is returned. A group an abort shut while idle is being destroyed on a
         thread since (:meth:`interrupt`): that thread is waited for (unless
         ``wait=False``), up to :data:`DROP_WAIT` seconds (False past it). A
         mesh's close is the one caller: a heal's re-form never waits for a
@@ -654,8 +653,9 @@ for _name in FORWARDED:
 del _name
 
 
-# How long a close waits for the destructor of a group an abort shut (about 10 ms: gloo's
-# event loop ends at its next tick); past it, the close returns and the thread goes on.
+# How long a close waits for gloo's destructors (about 10 ms each: gloo's event loop ends
+# at its next tick), a group's own or a mesh's together; past it, the close returns and
+# the threads go on.
 DROP_WAIT = 10.0
 
 # The device the stand-in is registered for: one whose ``c10d::`` ops never reach a

@@ -127,15 +127,14 @@ class Connections:
         if before is None:  # no /proc: whose descriptor is whose is not known
             return cls([])
         now = open_descriptors() or {}
-        opened = {fd: ident for fd, ident in now.items() if before.get(fd) != ident}
+        opened = {fd for fd, ident in now.items() if before.get(fd) != ident}
         fits: list[list[Target]] = []
         for loop in _event_loops(now):
             with contextlib.suppress(OSError):  # closed meanwhile: not a live group's
                 targets = _targets(loop)
-                if not targets or any(
-                    fd not in opened or opened[fd][1] != inode for fd, inode in targets
-                ):
-                    continue  # holds a descriptor open before the group formed
+                if not targets or any(fd not in opened for fd, _ in targets):
+                    continue  # holds a descriptor open before the group formed (each
+                    # target's inode is checked as it is told apart: _kind)
                 kinds: dict[str, list[Target]] = {"pipe": [], "listener": [], "connection": []}
                 for target in targets:
                     kind = _kind(*target)

@@ -35,9 +35,6 @@ __all__ = ["Entry", "GroupKey", "GroupTable", "formation_error"]
 
 GroupKey = tuple[range | tuple[int, ...], str]  # (global ranks in group order, backend name)
 FINISH_TIMEOUT = 60.0  # seconds to wait for a replaced mesh's NCCL work and gloo destructors
-# Seconds a close waits for its gloo groups' destructors, together (each ends at its event
-# loop's next tick, about 10 ms); past it the close returns and the threads go on.
-DROP_WAIT = 10.0
 
 
 class Entry:
@@ -351,19 +348,21 @@ class GroupTable:
 
     def _destroy_now(self, groups: list[dist.ProcessGroup]) -> list[Exception]:
         """:func:`_destroy_all`, and the gloo destructors it leaves on threads waited for
-        together, up to :data:`DROP_WAIT`, or, with :attr:`hand_over`, left to the table
-        that replaces this one (:meth:`inherit`)."""
+        together, up to the closable groups' ``DROP_WAIT``, or, with :attr:`hand_over`,
+        left to the table that replaces this one (:meth:`inherit`)."""
         dropping: list[threading.Thread] = []
         errors = _destroy_all(groups, dropping)
         if self.hand_over:
             self._dropping += dropping
-        elif running := _nccl.join_within(dropping, DROP_WAIT):
-            errors.append(
-                TimeoutError(
-                    f"waited {DROP_WAIT:g} s for {len(running)} gloo group destructors "
-                    f"({running[0].name}) to end; they go on on their threads"
+        elif dropping:
+            wait = sys.modules["scopedmesh.c10d.closable"].DROP_WAIT  # its groups left them
+            if running := _nccl.join_within(dropping, wait):
+                errors.append(
+                    TimeoutError(
+                        f"waited {wait:g} s for {len(running)} gloo group destructors "
+                        f"({running[0].name}) to end; they go on on their threads"
+                    )
                 )
-            )
         return errors
 
     def inherit(self, replaced: GroupTable) -> None:
