@@ -44,7 +44,7 @@ from scopedmesh.c10d.store import read
 from scopedmesh.fault.liveness.agreement import Driver
 from scopedmesh.fault.liveness.deaths import parse_deaths
 from scopedmesh.fault.liveness.watch import LivenessWatch, key_names
-from scopedmesh.fault.protocol.agreement import Keys, agreement_name, check_in, members_key
+from scopedmesh.fault.protocol.agreement import Keys, agreement_name, check_in
 
 SHAPE = (2, 2, 2)
 NAMES = ("dp", "pp", "tp")
@@ -118,10 +118,9 @@ def _before_agreeing(
     die once checked in to it (``die_checked_in``), or be slow to arrive (``slow_agree``)."""
     if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
         # Checked in by the agreement's own protocol (what the step's exit does first).
-        members = sorted(mesh.layout.ranks)
-        key = members_key(members)
+        key = watch._key_of(mesh, sorted(mesh.layout.ranks))
         attempt, committed = watch._ledger.attempt(key), watch._ledger.committed.get(key, 0)
-        keys = _agreement_keys(watch, mesh, attempt)
+        keys = _agreement_keys(watch, key, attempt)
         Driver(store, watch._record).run(check_in(keys, rank, committed))
         _die(report, outdir, rank)
     time.sleep(plan.get("slow_agree", {}).get(str(rank), 0))
@@ -193,6 +192,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
             os.kill(pid, signal.SIGCONT)
             stop = None  # once: a step redone after a heal does not stop it again
         failure: dict[str, Any] = {"step": step}
+        key = watch._key_of(mesh, sorted(mesh.layout.ranks))  # its line's: read while guarded
         try:
             with watch.step(mesh, "dp") as verdict:
                 try:
@@ -205,13 +205,13 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
                 failure["error_at"] = time.time()  # the vote (and any doubt) comes next
         except LostRankError as sat_out:
             events.append({**failure, "lost": sorted(verdict.lost), "sat_out": str(sat_out)[:200]})
-            events[-1]["accounted"] = _accounted(store, watch, mesh)
+            events[-1]["accounted"] = _accounted(store, watch, mesh, key)
             break
         if verdict.healed:
             event = {**failure, "agreed_at": time.time(), "lost": sorted(verdict.lost)}
             # How each member was accounted for, read before the last watch to close
             # deletes the agreement's keys.
-            event["accounted"] = _accounted(store, watch, mesh)
+            event["accounted"] = _accounted(store, watch, mesh, key)
             mesh = verdict.mesh
             mesh.create_groups(*NAMES)
             event["reformed_at"], event["shape"] = time.time(), list(mesh.shape)
@@ -252,19 +252,22 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     return report
 
 
-def _accounted(store: Any, watch: LivenessWatch, mesh: ProcessGroupMesh) -> dict[int, str | None]:
-    """How the step's agreement (the watch's latest) accounted for each rank of ``mesh``:
-    as :func:`accounted_as`, or ``"listed dead"`` for a rank with no entry that the
-    store's list of deaths holds (an agreement writes no entry for it)."""
-    keys = _agreement_keys(watch, mesh, watch._ledger.attempt(members_key(mesh.layout.ranks)) - 1)
+def _accounted(
+    store: Any, watch: LivenessWatch, mesh: ProcessGroupMesh, key: str
+) -> dict[int, str | None]:
+    """How the step's agreement (the watch's latest on ``key``, ``mesh``'s members' key)
+    accounted for each rank of ``mesh``: as :func:`accounted_as`, or ``"listed dead"`` for
+    a rank with no entry that the store's list of deaths holds (an agreement writes no
+    entry for it)."""
+    keys = _agreement_keys(watch, key, watch._ledger.attempt(key) - 1)
     dead = parse_deaths(read(store, watch.keys.lost) or "")
     states = {r: accounted_as(store, keys, r) for r in mesh.layout.ranks}
     return {r: "listed dead" if s is None and r in dead else s for r, s in states.items()}
 
 
-def _agreement_keys(watch: LivenessWatch, mesh: ProcessGroupMesh, attempt: int) -> Keys:
-    """The keys of the agreement ``attempt`` of ``mesh``'s members under ``watch``."""
-    name = agreement_name(mesh.layout.ranks, f"event{attempt}")
+def _agreement_keys(watch: LivenessWatch, key: str, attempt: int) -> Keys:
+    """The keys of the agreement ``attempt`` of the members ``key`` under ``watch``."""
+    name = agreement_name(key, f"event{attempt}")
     return Keys(f"{watch.prefix}/agree/{name}")
 
 

@@ -142,17 +142,29 @@ class Until:
 
 
 @dataclass
+class Line:
+    """One mesh a member steps on and the meshes re-formed from it (with twins, two over
+    the same members, stepped by turns): its incarnation now, its step (= the steps it
+    committed), the steps it committed in order, and where the member committed a step
+    in doubt, the ranks that step lost (its re-forming waits for the next step)."""
+
+    view: View
+    step: int = 0
+    log: list[int] = field(default_factory=list)
+    deferred: frozenset[int] | None = None
+
+
+@dataclass
 class Member:
     rank: int
     mesh: str
     record: DeathRecord
-    view: View
+    lines: dict[str, Line]
+    current: str = ""  # the line its main thread steps on now
     ledger: rules.Ledger = field(default_factory=rules.Ledger)
     lock: threading.Lock = field(default_factory=threading.Lock)
     members: dict[str, list[int]] = field(default_factory=dict)
     tags: set[str] = field(default_factory=set)
-    step: int = 0  # the step it is on (= steps it committed)
-    log: list[int] = field(default_factory=list)  # the steps it committed, in order
     armed: dict[int, str] = field(default_factory=dict)  # step -> what it raises
     slow: float = 0.0  # compute time of its next step
     state: str = "running"  # running, done, dead, left, lost, failed
@@ -170,11 +182,39 @@ class Member:
     stops: set[tuple[int, str, int]] = field(default_factory=set)  # the stops it learned
     deadline: float = 0.0  # when its wait for the abort ends
 
+    @property
+    def line(self) -> Line:
+        return self.lines[self.current]
+
+    @property
+    def view(self) -> View:
+        """The incarnation of the mesh its main thread steps on now."""
+        return self.line.view
+
+    @view.setter
+    def view(self, view: View) -> None:
+        self.line.view = view
+
+    @property
+    def step(self) -> int:
+        return self.line.step
+
+    @property
+    def log(self) -> list[int]:
+        return self.line.log
+
+    def views(self) -> list[View]:
+        """Every mesh it holds now (the watch guards them all)."""
+        return [line.view for line in self.lines.values()]
+
 
 class Simulation:
-    """``size`` members under one watch, on ``meshes`` disjoint meshes, ``steps`` steps each."""
+    """``size`` members under one watch, on ``meshes`` disjoint meshes, ``steps`` steps each;
+    with ``twins``, every member steps on two meshes over the same members, by turns (two
+    models on the same ranks: each mesh its own line of keys, :func:`~scopedmesh.fault.
+    protocol.agreement.line_key`)."""
 
-    def __init__(self, size: int, meshes: int, steps: int) -> None:
+    def __init__(self, size: int, meshes: int, steps: int, twins: bool = False) -> None:
         self.now, self.steps = 0.0, steps
         self.store = SimStore(self)
         self.keys = WatchKeys(PREFIX)
@@ -196,11 +236,18 @@ class Simulation:
         self.sets: dict[str, tuple[int, ...]] = {}  # members_key -> the members, as made
         self.members: list[Member] = []
         for index, group in enumerate(groups):
+            first = agreeing.members_key(group)
+            lines = [(f"mesh{index}", first)]  # (name, line): its key, as the watch makes it
+            if twins:
+                lines.append((f"mesh{index}+", f"{first}#1"))
             for rank in group:
-                key = agreeing.members_key(group)
-                self.sets[key] = group
-                view = View(f"mesh{index}", group, 0, (key, 0))
-                member = Member(rank, f"mesh{index}", None, view)  # type: ignore[arg-type]
+                made = {
+                    name: Line(View(name, group, 0, (agreeing.line_key(group, line), 0)))
+                    for name, line in lines
+                }
+                for _, line in lines:
+                    self.sets[agreeing.line_key(group, line)] = group
+                member = Member(rank, f"mesh{index}", None, made, lines[0][0])  # type: ignore[arg-type]
                 member.record = DeathRecord(
                     self.keys,
                     rank,
@@ -209,8 +256,10 @@ class Simulation:
                     tuple(range(size)),
                     on_ask=lambda asks, m=member: m.answers.extend(asks),
                 )
-                member.members[key] = list(group)
-                member.ledger.committed[key] = 0
+                for _, line in lines:
+                    key = agreeing.line_key(group, line)
+                    member.members[key] = list(group)
+                    member.ledger.committed[key] = 0
                 self.members.append(member)
         for member in self.members:
             member.main = self._main(member)
@@ -253,20 +302,23 @@ class Simulation:
     # ------------------------------------------------------------------ the watch's side
 
     def _on_deaths(self, member: Member, new: set[int]) -> None:
-        if set(new).intersection(member.view.members):
-            self._abort(member)
+        for view in member.views():
+            if set(new).intersection(view.members):
+                self._abort(member, view)
 
     def _on_stops(self, member: Member, stops: set[tuple[int, str, int]]) -> None:
         member.stops |= stops  # the guard keeps them: a mesh guarded later checks them too
-        key, since = member.view.since
-        if rules.stopped(stops, key, since).intersection(member.view.members):
-            self._abort(member)
+        for view in member.views():
+            key, since = view.since
+            if rules.stopped(stops, key, since).intersection(view.members):
+                self._abort(member, view)
 
     def _settled(self, member: Member, chain: tuple[tuple[str, int], ...]) -> None:
         """``LivenessWatch._on_fence``: this rank's meshes of those members are aborted."""
         self.seen.add("an answer" + (" that caught up through decisions" if len(chain) > 1 else ""))
-        if member.view.since[0] in {key for key, _ in chain}:
-            self._abort(member)
+        for view in member.views():
+            if view.since[0] in {key for key, _ in chain}:
+                self._abort(member, view)
 
     def _store_thread(self, member: Member) -> Generator[Any, Any, None]:
         """One wake-up of ``member``'s store thread: read the lists (the record takes them),
@@ -291,32 +343,48 @@ class Simulation:
 
     def _main(self, m: Member) -> Generator[Any, Any, None]:
         """The documented loop: ``with watch.step(mesh, axis) as step: ...``, redo until it
-        commits; a step whose error leaves the loop closes the watch as a departure."""
-        while m.step < self.steps:
-            view = m.view
-            can_vote = not view.aborted  # the vote's group forms at the block's start
-            if m.slow:
-                yield Until(self.now + m.slow)
-                m.slow = 0.0
-            plan = m.armed.get(m.step)
-            raised = rules.NONE
-            if plan is not None:
-                raised = rules.OTHER if "ValueError" in plan else rules.RUNTIME
-                if plan != BUG:
-                    del m.armed[m.step]
-            elif not (yield Collect()):
-                raised = rules.RUNTIME  # a collective's error: a peer died or stopped
-            members = list(view.members)
-            key = agreeing.members_key(members)
+        commits (with twins, one attempt on each mesh by turns); a step whose error leaves
+        the loop closes the watch as a departure."""
+        while any(line.step < self.steps for line in m.lines.values()):
+            for name, line in m.lines.items():
+                if line.step >= self.steps:
+                    continue
+                m.current = name
+                if (yield from self._attempt(m)):
+                    return
+        yield from self._close(m, None)
+        m.state = "done"
+
+    def _attempt(self, m: Member) -> Generator[Any, Any, bool]:
+        """One attempt of ``m``'s step on its current mesh; True where ``m`` left the loop."""
+        view, line = m.view, m.line
+        can_vote = not view.aborted  # the vote's group forms at the block's start
+        if m.slow:
+            yield Until(self.now + m.slow)
+            m.slow = 0.0
+        plan = m.armed.get(m.step)
+        raised = rules.NONE
+        if plan is not None:
+            raised = rules.OTHER if "ValueError" in plan else rules.RUNTIME
+            if plan != BUG:
+                del m.armed[m.step]
+        elif not (yield Collect()):
+            raised = rules.RUNTIME  # a collective's error: a peer died or stopped
+        key = view.since[0]  # its line's key (line_key), as the watch guarded it
+        vote_at = (view.name, view.generation, view.seq.get("vote", 0))
+        if line.deferred is not None:  # Step: it committed the last step in doubt
+            self.seen.add("a step failed after one committed in doubt")
+            verdict = rules.Verdict(False, line.deferred, True, raise_own=raised == rules.OTHER)
+            line.deferred = None
+        else:
             with m.lock:
                 attempt, mine = m.ledger.attempt(key), m.ledger.committed.get(key, 0)
-            name = agreeing.agreement_name(members, f"event{attempt}")
+            name = agreeing.agreement_name(key, f"event{attempt}")
             m.members_now = view.members
             m.heard = m.record.heard  # the driver's count of news, before its first request
-            vote_at = (view.name, view.generation, view.seq.get("vote", 0))
             steps = rules.verdict(
                 rank=m.rank,
-                members=members,
+                members=list(view.members),
                 keys=agreeing.Keys(f"{PREFIX}/agree/{name}"),
                 attempt=attempt,
                 mine=mine,
@@ -330,47 +398,49 @@ class Simulation:
             except TimeoutError as error:
                 m.state, m.error = "failed", error
                 self._check_timeout(m, error)
-                return
-            self.verdicts.setdefault(vote_at, {})[m.rank] = (verdict.committed, verdict.lost)
-            if verdict.committed and raised != rules.NONE:  # its flag failed the vote
-                self.problems.append(f"rank {m.rank} committed step {m.step}, which raised there")
-            if verdict.agreed:
-                self.seen.add("an agreement" + (" that lost a member" if verdict.lost else ""))
-                if raised == rules.NONE and not verdict.committed:
-                    self.seen.add("a member in doubt failed the step")
-                if raised == rules.NONE and verdict.committed:
-                    self.seen.add("a member in doubt committed the step")
-            if verdict.error is not None:
-                self.seen.add("StepError after a departure")
-            if verdict.committed:
-                m.log.append(m.step)
-                m.step += 1
-            if verdict.error is not None:  # StepError, before any re-forming: it leaves
-                yield from self._close(m, RuntimeError(verdict.error))
-                m.state = "left"
-                return
-            if m.rank in verdict.lost:  # LostRankError leaves the loop, and the watch
-                yield from self._close(m, RuntimeError("LostRankError"))
-                m.state = "lost"
-                return
-            if verdict.agreed:
-                survivors = tuple(r for r in view.members if r not in verdict.lost)
-                new_key = agreeing.members_key(survivors)
-                with m.lock:  # the ledger moved at Agreed (the library's StepDriver)
-                    since = (new_key, m.ledger.attempt(new_key))
-                self._leave_view(m)  # the old mesh is closed: its sockets too
-                m.view = View(view.name, survivors, view.generation + 1, since)
-                self.sets[new_key] = survivors
-                stopped = rules.stopped(m.stops, new_key, since[1]).intersection(survivors)
-                if m.record.lost.intersection(survivors) or since in m.ledger.answered or stopped:
-                    m.view.abort("guarded with a lost rank, or settled without this rank")
-            if verdict.raise_own and plan in (LEAVING_VALUE, BUG):
-                error = ValueError(plan) if plan == LEAVING_VALUE else RuntimeError(plan)
-                yield from self._close(m, error)
-                m.state = "left"
-                return
-        yield from self._close(m, None)
-        m.state = "done"
+                return True
+        self.verdicts.setdefault(vote_at, {})[m.rank] = (verdict.committed, verdict.lost)
+        if verdict.committed and raised != rules.NONE:  # its flag failed the vote
+            self.problems.append(f"rank {m.rank} committed step {m.step}, which raised there")
+        if verdict.agreed:
+            self.seen.add("an agreement" + (" that lost a member" if verdict.lost else ""))
+            if raised == rules.NONE and not verdict.committed:
+                self.seen.add("a member in doubt failed the step")
+            if raised == rules.NONE and verdict.committed:
+                self.seen.add("a member in doubt committed the step")
+        if verdict.error is not None:
+            self.seen.add("StepError after a departure")
+        if verdict.committed:
+            line.log.append(line.step)
+            line.step += 1
+        if verdict.error is not None:  # StepError, before any re-forming: it leaves
+            yield from self._close(m, RuntimeError(verdict.error))
+            m.state = "left"
+            return True
+        if m.rank in verdict.lost:  # LostRankError leaves the loop, and the watch
+            yield from self._close(m, RuntimeError("LostRankError"))
+            m.state = "lost"
+            return True
+        if verdict.agreed and not verdict.reforms:  # re-formed after the next step (Step)
+            self._abort(m)
+            line.deferred = verdict.lost
+        if verdict.reforms:
+            survivors = tuple(r for r in view.members if r not in verdict.lost)
+            new_key = agreeing.line_key(survivors, agreeing.line_of(key))
+            with m.lock:  # the ledger moved at Agreed (the library's StepDriver)
+                since = (new_key, m.ledger.attempt(new_key))
+            self._leave_view(m)  # the old mesh is closed: its sockets too
+            m.view = View(view.name, survivors, view.generation + 1, since)
+            self.sets[new_key] = survivors
+            stopped = rules.stopped(m.stops, new_key, since[1]).intersection(survivors)
+            if m.record.lost.intersection(survivors) or since in m.ledger.answered or stopped:
+                m.view.abort("guarded with a lost rank, or settled without this rank")
+        if verdict.raise_own and plan in (LEAVING_VALUE, BUG):
+            error = ValueError(plan) if plan == LEAVING_VALUE else RuntimeError(plan)
+            yield from self._close(m, error)
+            m.state = "left"
+            return True
+        return False
 
     def _close(self, m: Member, error: BaseException | None) -> Generator[Any, Any, None]:
         """``LivenessWatch.close``: answer the next agreement on each set of members, then,
@@ -566,6 +636,7 @@ class Simulation:
             m.lock,
             m.view,
             list(m.view.members),
+            key=m.view.since[0],
             vote=lambda flag: None,
             note=lambda: None,
             stepped=m.members,
@@ -617,13 +688,15 @@ class Simulation:
             return done
         return max(collective.given.values()) if done and collective else None
 
-    def _abort(self, m: Member) -> None:
-        """``mesh.abort``: its groups shut; a collective not complete fails for every member
-        (its sockets close); one complete but unread here may be lost too (``cut_late``)."""
-        m.view.abort("abort")
-        self.shut.add((m.view.name, m.view.generation, m.rank))
+    def _abort(self, m: Member, view: View | None = None) -> None:
+        """``mesh.abort`` of ``view`` (default: the one ``m`` steps on): its groups shut; a
+        collective not complete fails for every member (its sockets close); one complete
+        but unread here may be lost too (``cut_late``)."""
+        view = m.view if view is None else view
+        view.abort("abort")
+        self.shut.add((view.name, view.generation, m.rank))
         for at, collective in self.collectives.items():
-            if at[:2] != (m.view.name, m.view.generation) or m.rank not in collective.members:
+            if at[:2] != (view.name, view.generation) or m.rank not in collective.members:
                 continue
             if not collective.complete:
                 collective.cut = True
@@ -649,12 +722,19 @@ class Simulation:
             if len(agreed) > 1:
                 self.problems.append(f"vote {at}: members agreed on different losses: {alive}")
         for m in self.members:
-            if m.log != list(range(len(m.log))):
-                self.problems.append(f"rank {m.rank} committed steps {m.log}")
+            for name, line in m.lines.items():
+                if line.log != list(range(len(line.log))):
+                    self.problems.append(f"rank {m.rank} committed steps {line.log} on {name}")
         by_mesh: dict[str, list[Member]] = {}
         for m in self.members:
             if m.state == "done":
                 by_mesh.setdefault(m.mesh, []).append(m)
+                logged = sum(len(line.log) for line in m.lines.values())
+                if m.ledger.total() != logged:  # the watch's count: every mesh's apart
+                    self.problems.append(
+                        f"rank {m.rank} committed {logged} steps; its watch counts "
+                        f"{m.ledger.total()} ({m.ledger.committed})"
+                    )
         for mesh, finished in by_mesh.items():
             totals = {m.rank: m.ledger.total() for m in finished}
             if len(set(totals.values())) > 1:

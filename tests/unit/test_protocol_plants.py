@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from test_protocol_simulation import Protocol
 
+from scopedmesh.fault.liveness import agreement as step_driving
 from scopedmesh.fault.liveness.deaths import DeathRecord
 from scopedmesh.fault.protocol import agreement as agreeing
 from scopedmesh.fault.protocol import verdict as rules
@@ -34,6 +35,14 @@ def _never_departs(self: DeathRecord, store: Any, reason: str) -> None:
     return None
 
 
+def _key_without_line(members: Any, line: str) -> str:
+    return agreeing.members_key(members)
+
+
+def _reforms_at_once(self: rules.Verdict) -> bool:
+    return self.agreed
+
+
 PLANTS = {
     "a member in doubt that always commits": [(rules, "doubt_commits", _always_commits)],
     "agreement keys without the mesh's members": [
@@ -41,6 +50,12 @@ PLANTS = {
         (rules, "agreement_name", _name_without_members),
     ],
     "a departure never recorded": [(DeathRecord, "depart", _never_departs)],
+    "one key for every mesh over the same ranks (twins share counts)": [
+        (owner, "line_key", _key_without_line) for owner in (agreeing, rules, step_driving)
+    ],
+    "a member in doubt that commits re-forms at once (twins deadlock)": [
+        (rules.Verdict, "reforms", property(_reforms_at_once))
+    ],
 }
 
 

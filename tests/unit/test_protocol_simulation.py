@@ -1,6 +1,7 @@
 """The fault protocol, explored: hypothesis schedules deaths, exceptions, departures, slow
-members and cut collectives among the members of one or two meshes under one watch, and
-checks the protocol's rules after every event (:mod:`_protocol_sim`).
+members and cut collectives among the members of one or two meshes under one watch (or
+twins: two meshes over the same members, stepped by turns), and checks the protocol's
+rules after every event (:mod:`_protocol_sim`).
 
 A failure prints the shrunk schedule (hypothesis's steps) and the rule it broke; a
 seed replays a run (``--hypothesis-seed``).
@@ -28,9 +29,14 @@ class Protocol(RuleBasedStateMachine):
 
     sim: Simulation
 
-    @initialize(size=st.integers(2, 5), meshes=st.sampled_from([1, 2]), steps=st.integers(2, 4))
-    def world(self, size: int, meshes: int, steps: int) -> None:
-        self.sim = Simulation(size, meshes if size >= 4 else 1, steps)
+    @initialize(
+        size=st.integers(2, 5),
+        meshes=st.sampled_from([1, 2]),
+        steps=st.integers(2, 4),
+        twins=st.booleans(),
+    )
+    def world(self, size: int, meshes: int, steps: int, twins: bool = False) -> None:
+        self.sim = Simulation(size, meshes if size >= 4 else 1, steps, twins)
         self.kills = 0
 
     @rule(choice=st.integers(0, 15), cut_late=st.booleans())
@@ -102,8 +108,9 @@ def explore(seed: int, schedule: list[str], steps: int = 40) -> None:
     draw = random.Random(seed)
     machine = Protocol()
     size, meshes, total = draw.randint(2, 5), draw.choice([1, 2]), draw.randint(2, 4)
-    schedule.append(f"state.world(size={size}, meshes={meshes}, steps={total})")
-    machine.world(size, meshes, total)
+    twins = draw.random() < 0.5
+    schedule.append(f"state.world(size={size}, meshes={meshes}, steps={total}, twins={twins})")
+    machine.world(size, meshes, total, twins)
     for _ in range(steps):
         rule = draw.choices(["act", "act_several", "kill", "arm", "slow"], [4, 4, 1, 1, 1])[0]
         if rule == "act":

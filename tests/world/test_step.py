@@ -156,7 +156,13 @@ def test_a_survived_thread_failure_is_raised_after_the_agreement_not_in_it() -> 
 def test_a_rank_in_doubt_commits_the_step_its_peers_committed(at: int) -> None:
     results = run_world(workers.doubt_on_one_rank, 4, args=(at,), timeout=120)
     assert results[1]["vote"] == 0, results[1]  # every flag was 0: the peers committed
-    assert [1, at, True, True] in [[1, *v] for v in results[1]["verdicts"]], results[1]
+    # Committed in doubt: the mesh is kept, as the peers keep theirs, and every member
+    # re-forms it after the next step, which fails (so meshes re-form at one step
+    # everywhere, and under one watch request their groups in one order).
+    assert [at, True, False] in results[1]["verdicts"], results[1]
+    if at < workers.STEPS - 1:
+        for rank, out in enumerate(results):
+            assert [at + 1, False, True] in out["verdicts"], (rank, out["verdicts"])
     for rank, out in enumerate(results):
         assert out["committed"] == workers.STEPS, (rank, out)
         assert out["w"] == results[0]["w"], (rank, out["w"], results[0]["w"])

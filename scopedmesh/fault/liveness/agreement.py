@@ -35,7 +35,8 @@ from scopedmesh.fault.protocol.agreement import (
     ReadGone,
     Sleep,
     Wake,
-    members_key,
+    line_key,
+    line_of,
 )
 
 __all__ = ["Driver", "StepDriver", "ledger_requests"]
@@ -93,10 +94,11 @@ class Driver:
 
 class StepDriver:
     """Carries out a step verdict's own requests (:mod:`~scopedmesh.fault.protocol.verdict`)
-    for the members ``key`` on ``mesh``: its abort, the watch's lists of stops and asks,
-    its :class:`~scopedmesh.fault.protocol.verdict.Ledger` (under ``lock``); ``vote``
-    takes part in the step's vote, ``note`` notes the agreement's name for the clean-up,
-    ``stepped`` maps each set of members this rank steps on to its ranks."""
+    for ``members``, keyed ``key`` (:func:`~scopedmesh.fault.protocol.agreement.line_key`),
+    on ``mesh``: its abort, the watch's lists of stops and asks, its
+    :class:`~scopedmesh.fault.protocol.verdict.Ledger` (under ``lock``); ``vote`` takes
+    part in the step's vote, ``note`` notes the agreement's name for the clean-up,
+    ``stepped`` maps each key this rank steps on to its members."""
 
     def __init__(
         self,
@@ -107,12 +109,13 @@ class StepDriver:
         mesh: Any,
         members: list[int],
         *,
+        key: str,
         vote: Callable[[int], int | None],
         note: Callable[[], None],
         stepped: dict[str, list[int]],
     ) -> None:
         self.store, self.record, self.ledger, self.lock = store, record, ledger, lock
-        self.mesh, self.members, self.key = mesh, members, members_key(members)
+        self.mesh, self.members, self.key = mesh, members, key
         self.vote, self.note, self.stepped = vote, note, stepped
 
     def __call__(self, request: Any) -> Any:
@@ -153,7 +156,7 @@ class StepDriver:
             if isinstance(request, rules.Agreed):
                 ledger.agreed(key, request.highest)
                 if self.record.rank in request.survivors:  # its next mesh's members
-                    moved = members_key(request.survivors)
+                    moved = line_key(request.survivors, line_of(key))
                     self.stepped[moved] = list(request.survivors)
                     ledger.moved(key, moved)
                 return None

@@ -36,7 +36,8 @@ class Guard:
         self.meshes: tuple[ProcessGroupMesh, ...] = ()
         self.aborted: dict[int, float] = {}  # rank -> time.time() guarded meshes were aborted
         self._warned = False  # whether add() has checked that groups are closable
-        # id(mesh) -> (its members' key, how many agreements they had held when guarded)
+        # id(mesh) -> (its members' key (line_key), how many agreements they had held when
+        # guarded)
         self._since: dict[int, tuple[str, int]] = {}
         self._stops: set[tuple[int, str, int]] = set()  # every stop learned: a mesh guarded
         # later is aborted by one of its attempt too (its first step may not have begun)
@@ -68,6 +69,12 @@ class Guard:
         if dead:
             self._abort(mesh, dead)
         self.stop(self._stops)  # read after registering: none falls between the two
+
+    def key_of(self, mesh: ProcessGroupMesh) -> str | None:
+        """The members' key ``mesh`` was guarded with, or None where it is not guarded."""
+        if not any(m is mesh for m in self.meshes):
+            return None
+        return self._since[id(mesh)][0]
 
     def hit(self, new: Iterable[int]) -> None:
         """Abort the open guarded meshes that hold a rank of ``new`` (newly learned deaths)."""

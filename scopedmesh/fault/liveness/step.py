@@ -27,8 +27,13 @@ How the verdict is reached, at the block's end, on each member:
    answer fences that attempt there: its vote no longer commits). The
    survivors agree through the store; a member in doubt whose flag was 0
    commits if any survivor committed the step (then every flag was 0), and
-   fails it otherwise. The mesh is then re-formed along ``axis`` around the
-   lost ranks and guarded.
+   fails it otherwise. A failed step's mesh is then re-formed along ``axis``
+   around the lost ranks and guarded, on every member.
+4. **Committed in doubt.** A member in doubt that commits keeps its mesh, as
+   the members whose vote completed do (they learn of the death only after
+   their step): its next step on that mesh fails at once, and is re-formed, as
+   theirs does. So every member re-forms a mesh after the same step, and the
+   meshes of one watch request their groups in the same order on every member.
 
 A member whose block raised posts a *stop* through the watch and aborts the
 mesh (a ``RuntimeError``, a collective's error, first waits up to
@@ -59,7 +64,6 @@ import torch
 import torch.distributed as dist
 
 from scopedmesh.errors import StepError
-from scopedmesh.fault.heal import reform
 from scopedmesh.fault.protocol.verdict import NONE, OTHER, RUNTIME, STOP_GRACE, Verdict
 from scopedmesh.layout import Axis
 from scopedmesh.mesh.process_group_mesh import ProcessGroupMesh
@@ -72,7 +76,13 @@ class StepWatch(Protocol):
 
     rank: int
 
-    def guard(self, mesh: ProcessGroupMesh) -> ProcessGroupMesh: ...
+    def _reformed(
+        self, mesh: ProcessGroupMesh, lost: frozenset[int], axis: Axis
+    ) -> ProcessGroupMesh: ...
+
+    def _defer_reform(self, mesh: ProcessGroupMesh, lost: frozenset[int]) -> None: ...
+
+    def _deferred_reform(self, mesh: ProcessGroupMesh) -> frozenset[int] | None: ...
 
     def _verdict(
         self,
@@ -123,16 +133,25 @@ class Step:
         if exc is not None and not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: not a step's failure
         raised = NONE if exc is None else RUNTIME if isinstance(exc, RuntimeError) else OTHER
+        deferred = watch._deferred_reform(mesh)
+        if deferred is not None:  # it committed the last step in doubt: this one fails
+            self.committed, self.lost = False, deferred
+            self.mesh = watch._reformed(mesh, deferred, self._axis)
+            self.healed = True
+            return raised != OTHER  # this rank's own error is raised, as after a vote
         if raised == NONE and not _synchronized() and not mesh.aborted:
             mesh.abort(f"when rank {watch.rank}'s device failed to synchronise")
         verdict = watch._verdict(mesh, raised, self._vote_group is not None, self._vote)
         self.committed = verdict.committed
         if not verdict.agreed:
             return False  # decided by the vote; an exception of this rank's step is raised
-        self.lost = verdict.lost
         if verdict.error is not None:  # the job fails: a peer left it after an exception
             raise StepError(f"rank {watch.rank}'s step failed: {verdict.error}") from exc
-        self.mesh = watch.guard(reform(mesh, self.lost, self._axis))
+        if not verdict.reforms:  # in doubt, and a peer committed: re-formed after the next step
+            watch._defer_reform(mesh, verdict.lost)
+            return True
+        self.lost = verdict.lost
+        self.mesh = watch._reformed(mesh, self.lost, self._axis)
         self.healed = True
         if verdict.raise_own:
             return False  # this rank's own error: raised here, once every member knows

@@ -60,6 +60,8 @@ from scopedmesh.fault.protocol.agreement import (
     agreement,
     agreement_name,
     holds,
+    line_key,
+    line_of,
     members_key,
 )
 from scopedmesh.layout import Axis
@@ -146,11 +148,16 @@ class LivenessWatch:
             on_ask=_weakly(self._on_asks),
         )
         self._tags: set[str] = set()  # the agreements this watch took part in (their names)
-        # Per set of members (members_key): agreements held, steps committed, answers
-        # given; the store thread answers while the caller's thread steps, so: a lock.
+        # Per mesh's members (line_key): agreements held, steps committed, answers given;
+        # the store thread answers while the caller's thread steps, so: a lock.
         self._ledger = rules.Ledger()
         self._ledger_lock = threading.Lock()
-        self._members: dict[str, list[int]] = {}  # members_key -> the members stepped on
+        self._members: dict[str, list[int]] = {}  # line_key -> the members stepped on
+        self._lines: dict[str, int] = {}  # members_key -> the lines guarded over those ranks
+        # A mesh whose step this rank committed in doubt -> the ranks that step lost: its
+        # next step fails and re-forms it (Step), as on the members whose vote completed.
+        self._deferred: weakref.WeakKeyDictionary[ProcessGroupMesh, frozenset[int]]
+        self._deferred = weakref.WeakKeyDictionary()
         self._failure: tuple[str, BaseException] | None = None  # (what happened, the error)
         self._stopped = False  # whether the thread ended other than by close()
         self._failure_lock = threading.Lock()  # the thread reports, a caller takes
@@ -263,13 +270,30 @@ class LivenessWatch:
         the healed process is refused here with a ``RuntimeError`` naming the
         variable to set before the first NCCL group is made
         (:func:`~scopedmesh.c10d.nccl.check_error_handling`).
+
+        Each mesh guarded here begins a line of its own (the meshes a heal
+        re-forms from it, :meth:`step`, :meth:`heal`, continue it): its steps,
+        agreements and stops are its own, so several meshes over the same ranks
+        can be guarded at once. Guard them in the same order on every rank (as
+        their groups are requested).
         """
+        return self._guard_line(mesh, None)
+
+    def _guard_line(self, mesh: ProcessGroupMesh, heir_of: str | None) -> ProcessGroupMesh:
+        """:meth:`guard`; ``heir_of``: the key of the mesh ``mesh`` was re-formed from
+        (None: ``mesh`` begins a line, unless guarded already)."""
         if not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
         check_error_handling(mesh.backend or dist.get_backend(), os.environ)  # None: WORLD's
         self._check_open()
         self._check_thread()
-        key = members_key(mesh.layout.ranks)
+        key = self._guard.key_of(mesh)
+        if key is None and heir_of is not None:
+            key = line_key(mesh.layout.ranks, line_of(heir_of))
+        if key is None:  # a new line: the n-th over these ranks
+            first = members_key(mesh.layout.ranks)
+            count = self._lines[first] = self._lines.get(first, 0) + 1
+            key = line_key(mesh.layout.ranks, first if count == 1 else f"{first}#{count - 1}")
         with self._ledger_lock:
             since = (key, self._ledger.attempt(key))
             settled = since in self._ledger.answered  # its members went on without this rank
@@ -279,6 +303,12 @@ class LivenessWatch:
                 "when its step was settled without this rank (it answered a member in doubt)"
             )
         return mesh
+
+    def _key_of(self, mesh: ProcessGroupMesh | None, members: list[int]) -> str:
+        """The key of ``members``, the ranks of ``mesh`` (None: the watch's): the guarded
+        mesh's line's (:func:`~scopedmesh.fault.protocol.agreement.line_key`), else theirs."""
+        key = None if mesh is None else self._guard.key_of(mesh)
+        return members_key(members) if key is None else key
 
     def step(self, mesh: ProcessGroupMesh, axis: Axis) -> Step:
         """One training step on guarded ``mesh``, counted on every member or on none.
@@ -294,8 +324,10 @@ class LivenessWatch:
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
         mesh.layout.axis_index(axis)  # an unknown axis is named before the step runs
         self._check_open()
+        if mesh in self._deferred:  # fails at once: counted on its re-formed mesh's key
+            return Step(self, mesh, axis)
         members = self._members_of(mesh)
-        key = members_key(members)
+        key = self._key_of(mesh, members)
         with self._ledger_lock:  # the store thread answers for the members stepped on
             self._members[key] = members
             self._ledger.committed.setdefault(key, 0)
@@ -313,10 +345,10 @@ class LivenessWatch:
         self._check_open()
         self._check_thread()
         members = self._members_of(mesh)
-        key = members_key(members)
+        key = self._key_of(mesh, members)
         with self._ledger_lock:
             attempt, mine = self._ledger.attempt(key), self._ledger.committed.get(key, 0)
-        name = agreement_name(members, f"event{attempt}")
+        name = agreement_name(key, f"event{attempt}")
         do = StepDriver(
             self._store,
             self._record,
@@ -324,6 +356,7 @@ class LivenessWatch:
             self._ledger_lock,
             mesh,
             members,
+            key=key,
             vote=vote,
             note=lambda: self._note_agreement(name),
             stepped=self._members,
@@ -399,12 +432,12 @@ class LivenessWatch:
             raise TypeError(f"mesh must be a ProcessGroupMesh or None, got {shown(mesh)}")
         limit = self._timeout if timeout is None else check_timeout(timeout)
         members = self._members_of(mesh)
-        key = members_key(members)
+        key = self._key_of(mesh, members)
         if tag is None:
             with self._ledger_lock:
                 tag = f"event{self._ledger.attempt(key)}"
         check_tag(tag)
-        name = agreement_name(members, tag)
+        name = agreement_name(key, tag)
         self._note_agreement(name)
         with self._ledger_lock:
             self._ledger.attempts[key] = self._ledger.attempt(key) + 1
@@ -446,8 +479,26 @@ class LivenessWatch:
         ``reform(mesh, self.agree(mesh, tag=tag), axis)``, then :meth:`guard`.
         A rank that loses its place gets :class:`LostRankError` (``mesh`` is closed).
         """
-        lost = self.agree(mesh, tag=tag)
-        return self.guard(reform(mesh, lost, axis))
+        return self._reformed(mesh, self.agree(mesh, tag=tag), axis)
+
+    def _reformed(
+        self, mesh: ProcessGroupMesh, lost: frozenset[int], axis: Axis
+    ) -> ProcessGroupMesh:
+        """``reform(mesh, lost, axis)``, guarded in ``mesh``'s line."""
+        key = self._key_of(mesh, self._members_of(mesh))
+        return self._guard_line(reform(mesh, lost, axis), key)
+
+    def _defer_reform(self, mesh: ProcessGroupMesh, lost: frozenset[int]) -> None:
+        """This rank committed ``mesh``'s step in doubt (``lost``: the ranks it lost): abort
+        ``mesh`` if the death has not yet, and re-form it after its next step, which fails
+        (:class:`~scopedmesh.fault.liveness.step.Step`)."""
+        if not mesh.aborted:
+            mesh.abort(f"when rank {self.rank} committed a step its vote left in doubt")
+        self._deferred[mesh] = lost
+
+    def _deferred_reform(self, mesh: ProcessGroupMesh) -> frozenset[int] | None:
+        """The lost ranks of ``mesh`` where its re-forming was deferred (once), else None."""
+        return self._deferred.pop(mesh, None)
 
     # ------------------------------------------------------------------ the thread
 
@@ -550,7 +601,7 @@ class LivenessWatch:
         with self._ledger_lock:
             members = self._members.get(key)
         if members is not None:  # the clean-up finds the agreement's keys
-            name = agreement_name(members, f"event{attempt}")
+            name = agreement_name(key, f"event{attempt}")
             if name not in self._tags:
                 store.append(self.keys.tags, name + "\n")
         steps = rules.answer_ask(rank=self.rank, prefix=self.prefix, key=key, attempt=attempt)

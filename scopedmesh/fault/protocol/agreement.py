@@ -56,6 +56,8 @@ __all__ = [
     "committed_of",
     "decision_of",
     "holds",
+    "line_key",
+    "line_of",
     "members_key",
     "proposal",
 ]
@@ -134,14 +136,14 @@ class Sleep:
 Action = Append | Add | Get | CompareSet | Wake | ReadGone | KnownGone | Now | Sleep
 
 
-def agreement_name(members: Iterable[int], tag: str) -> str:
-    """The name of the agreement ``tag`` among ``members``: its keys carry both, so that a
-    decision is read only by the members it was made for.
+def agreement_name(key: str, tag: str) -> str:
+    """The name of the agreement ``tag`` among the members ``key`` (:func:`line_key`): its
+    keys carry both, so that a decision is read only by the members it was made for.
 
-    >>> agreement_name([2, 3], "event0")
+    >>> agreement_name(members_key([2, 3]), "event0")
     'm2.2-3/event0'
     """
-    return f"{members_key(members)}/{tag}"
+    return f"{key}/{tag}"
 
 
 def members_key(members: Iterable[int]) -> str:
@@ -171,14 +173,42 @@ def members_key(members: Iterable[int]) -> str:
     return f"m{len(ranks)}.{text}"
 
 
+def line_key(members: Iterable[int], line: str) -> str:
+    """The key of ``members`` in the line ``line`` (a mesh a watch guarded and the meshes
+    re-formed from it): their :func:`members_key` where that is the line's name (the
+    first mesh a watch guarded over those ranks), else ``members~line`` (a mesh
+    re-formed with fewer ranks, or a second line over the same ranks, named
+    ``<members>#1``). So two meshes under one watch never share a key, nor their
+    steps' counts, agreements or stops, even over the same ranks.
+
+    >>> line_key([0, 1, 2, 3], "m4.0-3"), line_key([0, 1, 2], "m4.0-3")
+    ('m4.0-3', 'm3.0-2~m4.0-3')
+    >>> line_key([0, 1, 2, 3], "m4.0-3#1")
+    'm4.0-3~m4.0-3#1'
+    """
+    key = members_key(members)
+    return key if line in ("", key) else f"{key}~{line}"
+
+
+def line_of(key: str) -> str:
+    """The line of the members' key ``key`` (:func:`line_key`).
+
+    >>> line_of("m4.0-3"), line_of("m3.0-2~m4.0-3")
+    ('m4.0-3', 'm4.0-3')
+    """
+    return key.partition("~")[2] or key
+
+
 def holds(key: str, rank: int) -> bool | None:
-    """Whether the members named ``key`` (:func:`members_key`) hold ``rank``; None where the
-    key is a digest, which does not say.
+    """Whether the members named ``key`` (:func:`members_key`, or :func:`line_key`) hold
+    ``rank``; None where the key is a digest, which does not say.
 
     >>> holds("m3.2-3_7", 7), holds("m3.2-3_7", 4), holds("m2048.e190a7e647798086", 2)
     (True, False, None)
+    >>> holds("m3.0-2~m4.0-3", 3)
+    False
     """
-    size, _, text = key.partition(".")
+    size, _, text = key.partition("~")[0].partition(".")
     parts = text.split("_")
     if not all(part.replace("-", "", 1).isdigit() for part in parts):
         return None  # a digest (or no key of runs)

@@ -50,7 +50,8 @@ from scopedmesh.fault.protocol.agreement import (
     answer,
     committed_of,
     decision_of,
-    members_key,
+    line_key,
+    line_of,
 )
 
 __all__ = [
@@ -187,7 +188,8 @@ Action = (
 @dataclass(frozen=True)
 class Verdict:
     """A step's verdict on this member: ``committed``; ``lost`` (agreed, empty when the vote
-    decided); ``agreed`` (whether an agreement was held: the mesh is then re-formed);
+    decided); ``agreed`` (whether an agreement was held: the mesh is then re-formed,
+    :attr:`reforms` says when);
     ``raise_own`` (raise the block's exception); ``error`` (a message to raise as
     :class:`~scopedmesh.errors.StepError`, or None)."""
 
@@ -196,6 +198,18 @@ class Verdict:
     agreed: bool = False
     raise_own: bool = False
     error: str | None = None
+
+    @property
+    def reforms(self) -> bool:
+        """Whether the mesh is re-formed after this step: an agreed step that failed. One a
+        member in doubt committed is re-formed after the next step, which fails at once (the
+        members whose vote completed learn of the death only then): so every member re-forms
+        a mesh after the same step.
+
+        >>> Verdict(False, agreed=True).reforms, Verdict(True, agreed=True).reforms
+        (True, False)
+        """
+        return self.agreed and not self.committed
 
 
 @dataclass
@@ -407,7 +421,7 @@ def _answer_once(
         start = (start_key, at, count)
         chain = [(start_key, at)]
         while (start_key, at) != (key, attempt) and len(chain) < 64:
-            name = agreement_name(members, f"event{at}")
+            name = agreement_name(start_key, f"event{at}")
             text = yield Get(f"{prefix}/agree/{name}/decision")
             if not text:
                 break
@@ -418,7 +432,7 @@ def _answer_once(
             count = count if highest is None else highest
             if lost.intersection(members):
                 members = [r for r in members if r not in lost]
-                start_key, at = members_key(members), 0
+                start_key, at = line_key(members, line_of(start_key)), 0
             else:
                 at += 1
             chain.append((start_key, at))
@@ -429,7 +443,7 @@ def _answer_once(
             return False
         if not fenced:
             return None
-        keys = Keys(f"{prefix}/agree/{agreement_name(members, f'event{attempt}')}")
+        keys = Keys(f"{prefix}/agree/{agreement_name(key, f'event{attempt}')}")
         yield from answer(keys, members, rank, committed=count)
         return True
     return False
