@@ -315,11 +315,12 @@ def _time_the_verdict() -> dict[str, float]:
     """Note, in the dict returned, when this rank's last vote ended (``voted_at``), when its
     verdict was decided (``decided_at``: the step's agreement, if any, is over) and when the
     old mesh was closed (``closed_at``). The benchmark's own wrappers around the library's
-    ``Step._vote`` and the ``reform`` a step calls, in this forked rank only."""
+    ``Step._vote`` and the ``reform`` a step's watch calls, in this forked rank only."""
     from scopedmesh.fault.liveness import step as step_module
+    from scopedmesh.fault.liveness import watch as watch_module
 
     marks: dict[str, float] = {}
-    vote, reform = step_module.Step._vote, step_module.reform
+    vote, reform = step_module.Step._vote, watch_module.reform
 
     def timed_vote(self: Any, flag: int) -> int | None:
         try:
@@ -347,7 +348,7 @@ def _time_the_verdict() -> dict[str, float]:
             marks["abort_s"] = marks.get("abort_s", 0.0) + took
 
     step_module.Step._vote = timed_vote  # type: ignore[method-assign]
-    step_module.reform = timed_reform
+    watch_module.reform = timed_reform
     GroupTable._shut_down = timed_shut_down  # type: ignore[method-assign]
     return marks
 
