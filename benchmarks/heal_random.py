@@ -23,6 +23,7 @@ Axes of size 1 have no collective.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import mmap
 import os
@@ -236,7 +237,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     """Train until ``after`` steps past a heal (or ``max_steps``); report times and results."""
     shape, names = tuple(plan["shape"]), tuple(plan["names"])
     status = Status(Path(outdir, "status"), world)
-    report: dict[str, Any] = {"rank": rank}
+    report: dict[str, Any] = {"rank": rank, "full_gc": _note_full_collections()}
     watch = LivenessWatch(interval=plan["interval"], timeout=plan["agree_timeout"])
     verdict_marks = _time_the_verdict()
     mesh = watch.guard(ProcessGroupMesh(*shape, names=names, timeout=plan["timeout"]))
@@ -309,6 +310,29 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
     watch.close()
     status.close()
     return report
+
+
+def _note_full_collections() -> list[list[float]]:
+    """The list, filled as they happen, of this rank's full collections (Python's cyclic
+    garbage collector, generation 2): ``[time.time() at its start, seconds]`` each.
+
+    A full collection walks every object the rank holds (torch's included): one that
+    falls in a heal costs each survivor that runs it tenths of a second on a loaded
+    host, and the survivors' allocations move in step, so they tend to run it together.
+    """
+    full: list[list[float]] = []
+    began = [0.0]
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            began[0] = time.time()
+        else:
+            full.append([began[0], time.time() - began[0]])
+
+    gc.callbacks.append(note)
+    return full
 
 
 def _time_the_verdict() -> dict[str, float]:
@@ -540,6 +564,26 @@ def breakdown_line(kills: Sequence[Kill]) -> str:
         + ", ".join(parts)
         + f"; a step before the kill {step:.3f} s; aborting the groups took "
         + f"{1000 * statistics.median(aborts):.0f} ms (max {1000 * max(aborts):.0f})"
+        + f"; {full_collections(kills)}"
+    )
+
+
+def full_collections(kills: Sequence[Kill]) -> str:
+    """How many of ``kills`` had a survivor run a full collection (``full_gc``) between the
+    kill and the latest survivor's first step after it, and the longest such collection."""
+    hit, longest = 0, 0.0
+    for kill in kills:
+        end = kill.killed_at + breakdown(kill)[-1]
+        during = [
+            seconds
+            for report in survivors_on(kill).values()
+            for start, seconds in report.get("full_gc", [])
+            if kill.killed_at <= start <= end
+        ]
+        hit += bool(during)
+        longest = max([longest, *during])
+    return f"full collections (gc gen 2) in the heal: {hit} of {len(kills)} kills" + (
+        f" (longest {longest:.3f} s)" if hit else ""
     )
 
 
@@ -571,6 +615,7 @@ __all__: Sequence[str] = (
     "breakdown",
     "breakdown_line",
     "check",
+    "full_collections",
     "launch",
     "phases",
     "plan_for",
