@@ -88,9 +88,10 @@ def two_meshes_one_death(rank: int, world: int, outdir: str) -> dict[str, Any]:
 
 
 def launch_and_kill(outdir: str, victim: int, seed: int, timeout: float = 240) -> dict[str, Any]:
-    """Host the store here and run :func:`two_meshes_one_death` on 4 forked ranks; SIGKILL ``victim`` from here at a
-    random moment (``seed``) once it has done 2 steps of each model. The reports by rank,
-    the exit codes, and where the victim was."""
+    """Host the store here and run :func:`two_meshes_one_death` on 4 forked ranks; SIGKILL
+    ``victim`` from here at a random moment (``seed``: up to 0.25 s) once it has done 2
+    steps of each model. The reports by rank, the exit codes, and the victim's step when
+    killed."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     world = 4
     args = [(two_meshes_one_death, r, world, store.port, (), outdir) for r in range(world)]

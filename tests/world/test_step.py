@@ -34,6 +34,7 @@ def test_steps_commit_on_every_member_in_blocks_in_a_row() -> None:
     for out in run_world(workers.every_step_commits, 4, args=(2,), timeout=120):
         assert out["verdicts"] == [True] * 6, out
         assert out["committed"] == 6, out
+        assert out["lines"] == ["m4.0-3"], out  # blocks one after another: one line
 
 
 def test_an_exception_in_one_ranks_step_fails_the_step_everywhere_without_a_timeout() -> None:
@@ -150,6 +151,21 @@ def test_a_survived_thread_failure_is_raised_after_the_agreement_not_in_it() -> 
             agreement.check_in = check_in  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="injected"):
             watch.lost()
+
+
+def test_a_rank_that_committed_in_doubt_heals_by_hand_with_its_peers() -> None:
+    """``watch.heal`` after the loop's own collective failed, on the rank whose step 2 was
+    committed in doubt: it takes the agreement held then, as its peers read it."""
+    results = run_world(workers.heal_after_a_doubt, 4, args=(2,), timeout=120)
+    for rank, out in enumerate(results):
+        assert out["committed"] == workers.STEPS, (rank, out)
+        assert out["w"] == results[0]["w"], (rank, out["w"], results[0]["w"])
+    doubter = results[1]
+    assert [2, True, False] in doubter["verdicts"], doubter
+    # Its own collective failed on the mesh it kept: healed by hand once, after step 2, in
+    # the shape its peers' heal made (nobody lost), never after the agreement's 20 s timeout.
+    assert [[s, shape] for s, shape, _ in doubter["healed"]] == [[3, [2, 2]]], doubter
+    assert doubter["healed"][0][2] < 10.0, doubter
 
 
 @pytest.mark.parametrize("at", [2, workers.STEPS - 1], ids=["a-middle-step", "the-last-step"])

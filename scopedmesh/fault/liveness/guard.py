@@ -76,6 +76,10 @@ class Guard:
             return None
         return self._since[id(mesh)][0]
 
+    def open_keys(self) -> set[str]:
+        """The keys of the guarded meshes not closed yet."""
+        return {self._since[id(m)][0] for m in self.meshes if not m.closed}
+
     def hit(self, new: Iterable[int]) -> None:
         """Abort the open guarded meshes that hold a rank of ``new`` (newly learned deaths)."""
         new = set(new)

@@ -59,6 +59,7 @@ from scopedmesh.fault.protocol import verdict as rules
 from scopedmesh.fault.protocol.agreement import (
     agreement,
     agreement_name,
+    free_line,
     holds,
     line_key,
     line_of,
@@ -153,7 +154,6 @@ class LivenessWatch:
         self._ledger = rules.Ledger()
         self._ledger_lock = threading.Lock()
         self._members: dict[str, list[int]] = {}  # line_key -> the members stepped on
-        self._lines: dict[str, int] = {}  # members_key -> the lines guarded over those ranks
         # A mesh whose step this rank committed in doubt -> the ranks that step lost: its
         # next step fails and re-forms it (Step), as on the members whose vote completed.
         self._deferred: weakref.WeakKeyDictionary[ProcessGroupMesh, frozenset[int]]
@@ -271,11 +271,12 @@ class LivenessWatch:
         variable to set before the first NCCL group is made
         (:func:`~scopedmesh.c10d.nccl.check_error_handling`).
 
-        Each mesh guarded here begins a line of its own (the meshes a heal
-        re-forms from it, :meth:`step`, :meth:`heal`, continue it): its steps,
-        agreements and stops are its own, so several meshes over the same ranks
-        can be guarded at once. Guard them in the same order on every rank (as
-        their groups are requested).
+        Each mesh guarded here goes on a line no open mesh is on (the meshes a
+        heal re-forms from it, :meth:`step`, :meth:`heal`, continue it): its
+        steps, agreements and stops are its own, so several meshes over the same
+        ranks can be guarded at once, and meshes guarded one after another (a
+        scoped block each) continue one line. Guard and close meshes in the same
+        order on every rank, as their groups are requested.
         """
         return self._guard_line(mesh, None)
 
@@ -290,10 +291,9 @@ class LivenessWatch:
         key = self._guard.key_of(mesh)
         if key is None and heir_of is not None:
             key = line_key(mesh.layout.ranks, line_of(heir_of))
-        if key is None:  # a new line: the n-th over these ranks
-            first = members_key(mesh.layout.ranks)
-            count = self._lines[first] = self._lines.get(first, 0) + 1
-            key = line_key(mesh.layout.ranks, first if count == 1 else f"{first}#{count - 1}")
+        if key is None:  # a line of its own among those open now (one that is free again)
+            busy = {line_of(k) for k in self._guard.open_keys()}
+            key = line_key(mesh.layout.ranks, free_line(members_key(mesh.layout.ranks), busy))
         with self._ledger_lock:
             since = (key, self._ledger.attempt(key))
             settled = since in self._ledger.answered  # its members went on without this rank
@@ -413,8 +413,13 @@ class LivenessWatch:
         part in all of them). A rank the decision counts as lost gets
         :class:`LostRankError`. Waits at most ``timeout`` (default: the
         watch's), then raises ``TimeoutError`` naming the ranks still
-        unaccounted for.
+        unaccounted for. On a mesh whose last step this rank committed in doubt
+        (:meth:`step`), the agreement was held then: its lost set is returned,
+        as the members whose vote completed read it.
         """
+        deferred = self._deferred.get(mesh) if isinstance(mesh, ProcessGroupMesh) else None
+        if deferred is not None:
+            return deferred
         return self._agree(mesh, tag, timeout, None)[0]
 
     def _agree(
@@ -476,15 +481,20 @@ class LivenessWatch:
     ) -> ProcessGroupMesh:
         """Agree on the lost ranks of ``mesh``, re-form it along ``axis`` and guard the result.
 
-        ``reform(mesh, self.agree(mesh, tag=tag), axis)``, then :meth:`guard`.
+        ``reform(mesh, self.agree(mesh, tag=tag), axis)``, guarded in ``mesh``'s line.
         A rank that loses its place gets :class:`LostRankError` (``mesh`` is closed).
         """
-        return self._reformed(mesh, self.agree(mesh, tag=tag), axis)
+        deferred = self._deferred_reform(mesh) if isinstance(mesh, ProcessGroupMesh) else None
+        lost = self.agree(mesh, tag=tag) if deferred is None else deferred
+        return self._reformed(mesh, lost, axis)
 
     def _reformed(
         self, mesh: ProcessGroupMesh, lost: frozenset[int], axis: Axis
     ) -> ProcessGroupMesh:
-        """``reform(mesh, lost, axis)``, guarded in ``mesh``'s line."""
+        """``reform(mesh, lost, axis)``, guarded in ``mesh``'s line. A failure of the watch's
+        thread is raised first, while ``mesh`` is still open."""
+        self._check_open()
+        self._check_thread()
         key = self._key_of(mesh, self._members_of(mesh))
         return self._guard_line(reform(mesh, lost, axis), key)
 

@@ -55,6 +55,7 @@ __all__ = [
     "committed_in",
     "committed_of",
     "decision_of",
+    "free_line",
     "holds",
     "line_key",
     "line_of",
@@ -188,6 +189,25 @@ def line_key(members: Iterable[int], line: str) -> str:
     """
     key = members_key(members)
     return key if line in ("", key) else f"{key}~{line}"
+
+
+def free_line(first: str, busy: Iterable[str]) -> str:
+    """The line a mesh over the ranks ``first`` (their :func:`members_key`) begins, where
+    the lines of ``busy`` have a mesh open: ``first`` itself where it is free, else
+    ``first#1``, ``first#2``, ... (the first free). So meshes guarded one after another
+    continue one line, and meshes open at once each have their own.
+
+    >>> free_line("m4.0-3", []), free_line("m4.0-3", ["m4.0-3", "m2.0-1"])
+    ('m4.0-3', 'm4.0-3#1')
+    >>> free_line("m4.0-3", ["m4.0-3", "m4.0-3#2"])
+    'm4.0-3#1'
+    """
+    taken = set(busy)
+    line, count = first, 0
+    while line in taken:
+        count += 1
+        line = f"{first}#{count}"
+    return line
 
 
 def line_of(key: str) -> str:

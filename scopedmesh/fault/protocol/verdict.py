@@ -418,6 +418,8 @@ def _answer_once(
     """One try of :func:`answer_ask`: True once answered, False where it must not answer,
     None where the ledger moved meanwhile (try again)."""
     for start_key, members, at, count in (yield Steps()):
+        if line_of(start_key) != line_of(key):  # a line's decisions never lead to another's
+            continue
         start = (start_key, at, count)
         chain = [(start_key, at)]
         while (start_key, at) != (key, attempt) and len(chain) < 64:
