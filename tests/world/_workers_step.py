@@ -127,46 +127,18 @@ def every_step_commits(rank: int, world: int, rounds: int) -> dict[str, Any]:
         return {"verdicts": verdicts, "committed": watch.committed, "lines": lines}
 
 
-def heal_after_a_doubt(rank: int, world: int, at: int) -> dict[str, Any]:
-    """As :func:`doubt_on_one_rank`, and after every step the loop runs a collective of its
-    own on the mesh (an eval, a log) and heals with ``watch.heal`` where it fails: rank
-    1, which committed step ``at`` in doubt, heals the mesh its peers heal, with the same
-    lost set (the agreement already held), without waiting for an agreement nobody joins."""
-    out: dict[str, Any] = {"verdicts": [], "healed": []}
-    w = torch.zeros(1, dtype=torch.float64)
-    with LivenessWatch(interval=0.02, timeout=20) as watch:
-        mesh = watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=60))
-        step = 0
-        while step < STEPS:
-            verdict = watch.step(mesh, "dp")
-            if rank == 1 and step == at and "vote" not in out:
-                in_doubt(verdict, mesh, out)
-            with verdict:
-                grad = _train(mesh, w, step)
-            mesh = verdict.mesh
-            out["verdicts"].append([step, verdict.committed, verdict.healed])
-            if verdict.committed:
-                w += grad
-                step += 1
-            try:  # the loop's own collective between steps
-                dist.all_reduce(torch.ones(1), group=mesh.get_group_along_axis("dp"))
-            except RuntimeError:
-                began = time.monotonic()
-                mesh = watch.heal(mesh, "dp")
-                out["healed"].append([step, list(mesh.shape), time.monotonic() - began])
-        out["committed"] = watch.committed
-        mesh.close()
-    out["w"] = w.tolist()
-    return out
-
-
-def doubt_on_one_rank(rank: int, world: int, at: int) -> dict[str, Any]:
+def doubt_on_one_rank(rank: int, world: int, at: int, heal_by_hand: bool = False) -> dict[str, Any]:
     """Rank 1's vote on step ``at`` completes (its flag counted by every peer), then rank 1's
     mesh is aborted before it reads the answer, as when a death's abort lands just after
     the vote: the peers commit, rank 1 is in doubt. It must learn from the survivors'
     agreement (or, after the last step, from the count each peer left as it closed its
-    watch) that the step committed, and commit it too."""
-    out: dict[str, Any] = {"verdicts": []}
+    watch) that the step committed, and commit it too.
+
+    With ``heal_by_hand``, after every step the loop runs a collective of its own on the
+    mesh (an eval, a log) and heals with ``watch.heal`` where it fails: rank 1 heals the
+    mesh its peers heal, with the same lost set (the agreement already held), without
+    waiting for an agreement nobody joins."""
+    out: dict[str, Any] = {"verdicts": [], "healed": []}
     w = torch.zeros(1, dtype=torch.float64)
     with LivenessWatch(interval=0.02, timeout=30) as watch:
         mesh = watch.guard(ProcessGroupMesh(2, 2, names=("dp", "tp"), timeout=60))
@@ -182,6 +154,14 @@ def doubt_on_one_rank(rank: int, world: int, at: int) -> dict[str, Any]:
             if verdict.committed:
                 w += grad
                 step += 1
+            if not heal_by_hand:
+                continue
+            try:  # the loop's own collective between steps
+                dist.all_reduce(torch.ones(1), group=mesh.get_group_along_axis("dp"))
+            except RuntimeError:
+                began = time.monotonic()
+                mesh = watch.heal(mesh, "dp")
+                out["healed"].append([step, list(mesh.shape), time.monotonic() - began])
         out["committed"] = watch.committed
         mesh.close()
     out["w"] = w.tolist()
