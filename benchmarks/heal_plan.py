@@ -109,16 +109,16 @@ def _before_agreeing(
     plan: dict[str, Any],
     rank: int,
     watch: LivenessWatch,
-    mesh: ProcessGroupMesh,
+    key: str,
     store: Any,
     report: dict[str, Any],
     outdir: str,
 ) -> None:
-    """What the plan has a rank do between its step's failure and the step's agreement:
-    die once checked in to it (``die_checked_in``), or be slow to arrive (``slow_agree``)."""
+    """What the plan has a rank do between its step's failure and the step's agreement on
+    the members ``key``: die once checked in to it (``die_checked_in``), or be slow to
+    arrive (``slow_agree``)."""
     if plan.get("die_checked_in") == rank:  # a death in the middle of the agreement
         # Checked in by the agreement's own protocol (what the step's exit does first).
-        key = watch._key_of(mesh, sorted(mesh.layout.ranks))
         attempt, committed = watch._ledger.attempt(key), watch._ledger.committed.get(key, 0)
         keys = _agreement_keys(watch, key, attempt)
         Driver(store, watch._record).run(check_in(keys, rank, committed))
@@ -200,7 +200,7 @@ def rank_main(rank: int, world: int, outdir: str, plan: dict[str, Any]) -> dict[
                 except RuntimeError as error:  # a peer died, or the watch aborted the mesh
                     failure.update(error_at=time.time(), type=type(error).__name__)
                     failure["message"] = str(error)[:300]
-                    _before_agreeing(plan, rank, watch, mesh, store, report, outdir)
+                    _before_agreeing(plan, rank, watch, key, store, report, outdir)
                     raise
                 failure["error_at"] = time.time()  # the vote (and any doubt) comes next
         except LostRankError as sat_out:
