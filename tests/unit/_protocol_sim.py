@@ -13,7 +13,9 @@ Every member has two *threads*, each a generator of requests: its main thread
 it reads the lists of deaths, stops and asks, and answers asks). A scheduler
 picks which runnable thread carries out its next request: one store request
 at a time, so every interleaving of the protocol's atomic writes is reachable.
-A request that waits (a collective, a sleep, a wait for the abort) makes its
+A request that waits (a collective, the formation of a mesh's vote group at a
+step's start, which every member of that mesh must reach, a sleep, a wait for
+the abort) makes its
 thread runnable only once what it waits for has happened or its time has come;
 the clock moves only when no thread can run.
 
@@ -22,6 +24,12 @@ for every peer; its ring watcher declares it); an exception in a step (kept by
 the loop, or leaving it: the member's watch closes as a departure); a bug that
 raises on every attempt; slow compute; a collective that completes for some
 members and is cut for the others (the doubt the vote exists for).
+
+A mesh may be two-dimensional (``width`` ranks per slice of the axis it heals
+along, as a (dp, tp) mesh healed along dp): a heal then drops every slice that
+holds a lost rank, as ``reform`` does (the library's ``shrink``), and a member
+that shared a dropped slice sits out of that mesh (``LostRankError``); with
+twins it goes on stepping the other mesh, which is one rank a slice.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from scopedmesh.fault.liveness.agreement import Driver, StepDriver, ledger_reque
 from scopedmesh.fault.liveness.deaths import CLOSED, DeathRecord, departure
 from scopedmesh.fault.protocol import agreement as agreeing
 from scopedmesh.fault.protocol import verdict as rules
+from scopedmesh.layout.mesh_layout import MeshLayout
+from scopedmesh.layout.survivors import shrink
 
 PREFIX = "sim"
 LIMIT = 30.0  # the watch's timeout: every agreement's limit
@@ -109,6 +119,7 @@ class View:
     since: tuple[str, int]
     aborted: bool = False
     seq: dict[str, int] = field(default_factory=dict)  # collectives issued, per group
+    formed: bool = False  # its step's vote group (formed by every member, at a block's start)
 
     def abort(self, why: str) -> None:
         self.aborted = True
@@ -135,6 +146,12 @@ class Collect:
 
 
 @dataclass(frozen=True)
+class Form:
+    """Form the mesh's vote group (``Step.__enter__``): waits until every member of the
+    incarnation arrived, or it is aborted; answered with whether it formed."""
+
+
+@dataclass(frozen=True)
 class Until:
     """Wait until simulated time ``at`` (slow compute)."""
 
@@ -144,14 +161,17 @@ class Until:
 @dataclass
 class Line:
     """One mesh a member steps on and the meshes re-formed from it (with twins, two over
-    the same members, stepped by turns): its incarnation now, its step (= the steps it
-    committed), the steps it committed in order, and where the member committed a step
-    in doubt, the ranks that step lost (its re-forming waits for the next step)."""
+    the same members, stepped by turns): its incarnation now, its layout (the heal axis
+    first), its step (= the steps it committed), the steps it committed in order, where
+    the member committed a step in doubt, the ranks that step lost (its re-forming waits
+    for the next step), and whether the member sat out of it (a dropped slice)."""
 
     view: View
+    layout: MeshLayout
     step: int = 0
     log: list[int] = field(default_factory=list)
     deferred: frozenset[int] | None = None
+    out: bool = False
 
 
 @dataclass
@@ -163,7 +183,7 @@ class Member:
     current: str = ""  # the line its main thread steps on now
     ledger: rules.Ledger = field(default_factory=rules.Ledger)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    members: dict[str, list[int]] = field(default_factory=dict)
+    members: dict[str, rules.Lineup] = field(default_factory=dict)
     tags: set[str] = field(default_factory=set)
     armed: dict[int, str] = field(default_factory=dict)  # step -> what it raises
     slow: float = 0.0  # compute time of its next step
@@ -212,9 +232,12 @@ class Simulation:
     """``size`` members under one watch, on ``meshes`` disjoint meshes, ``steps`` steps each;
     with ``twins``, every member steps on two meshes over the same members, by turns (two
     models on the same ranks: each mesh its own line of keys, :func:`~scopedmesh.fault.
-    protocol.agreement.line_key`)."""
+    protocol.agreement.line_key`). ``width``: ranks per slice of the heal axis of each
+    mesh (a twin's is 1), where the mesh's members make two slices or more."""
 
-    def __init__(self, size: int, meshes: int, steps: int, twins: bool = False) -> None:
+    def __init__(
+        self, size: int, meshes: int, steps: int, twins: bool = False, width: int = 1
+    ) -> None:
         self.now, self.steps = 0.0, steps
         self.store = SimStore(self)
         self.keys = WatchKeys(PREFIX)
@@ -225,6 +248,7 @@ class Simulation:
             [tuple(range(cut)), tuple(range(cut, size))] if meshes == 2 else [tuple(range(size))]
         )
         self.collectives: dict[tuple[str, int, str, int], Collective] = {}
+        self.arrived: dict[tuple[str, int], set[int]] = {}  # incarnation -> who came to form
         self.decisions: dict[str, tuple[int, ...]] = {}  # decision key -> its members
         self.verdicts: dict[tuple[str, int, int], dict[int, tuple[bool, frozenset[int]]]] = {}
         self.problems: list[str] = []
@@ -237,13 +261,22 @@ class Simulation:
         self.members: list[Member] = []
         for index, group in enumerate(groups):
             first = agreeing.members_key(group)
+            wide = width > 1 and len(group) % width == 0 and len(group) >= 2 * width
+            if wide:
+                self.seen.add(f"a mesh {width} ranks a slice")
+            layouts = [
+                MeshLayout((len(group) // width, width), ("dp", "tp"), group)
+                if wide
+                else MeshLayout((len(group),), ("dp",), group)
+            ]
             lines = [(f"mesh{index}", first)]  # (name, line): its key, as the watch makes it
             if twins:
                 lines.append((f"mesh{index}+", f"{first}#1"))
+                layouts.append(MeshLayout((len(group),), ("dp",), group))
             for rank in group:
                 made = {
-                    name: Line(View(name, group, 0, (agreeing.line_key(group, line), 0)))
-                    for name, line in lines
+                    name: Line(View(name, group, 0, (agreeing.line_key(group, line), 0)), layout)
+                    for (name, line), layout in zip(lines, layouts)
                 }
                 for _, line in lines:
                     self.sets[agreeing.line_key(group, line)] = group
@@ -256,9 +289,9 @@ class Simulation:
                     tuple(range(size)),
                     on_ask=lambda asks, m=member: m.answers.extend(asks),
                 )
-                for _, line in lines:
+                for (_, line), layout in zip(lines, layouts):
                     key = agreeing.line_key(group, line)
-                    member.members[key] = list(group)
+                    member.members[key] = rules.Lineup(layout)  # as watch.step notes it
                     member.ledger.committed[key] = 0
                 self.members.append(member)
         for member in self.members:
@@ -345,9 +378,9 @@ class Simulation:
         """The documented loop: ``with watch.step(mesh, axis) as step: ...``, redo until it
         commits (with twins, one attempt on each mesh by turns); a step whose error leaves
         the loop closes the watch as a departure."""
-        while any(line.step < self.steps for line in m.lines.values()):
+        while any(line.step < self.steps and not line.out for line in m.lines.values()):
             for name, line in m.lines.items():
-                if line.step >= self.steps:
+                if line.step >= self.steps or line.out:
                     continue
                 m.current = name
                 if (yield from self._attempt(m)):
@@ -358,7 +391,9 @@ class Simulation:
     def _attempt(self, m: Member) -> Generator[Any, Any, bool]:
         """One attempt of ``m``'s step on its current mesh; True where ``m`` left the loop."""
         view, line = m.view, m.line
-        can_vote = not view.aborted  # the vote's group forms at the block's start
+        if not view.formed:  # the vote's group forms at the block's start, by every member
+            view.formed = yield Form()
+        can_vote = view.formed and not view.aborted
         if m.slow:
             yield Until(self.now + m.slow)
             m.slow = 0.0
@@ -424,8 +459,22 @@ class Simulation:
         if verdict.agreed and not verdict.reforms:  # re-formed after the next step (Step)
             self._abort(m)
             line.deferred = verdict.lost
-        if verdict.reforms:
-            survivors = tuple(r for r in view.members if r not in verdict.lost)
+        if verdict.reforms:  # reform: shrink drops every slice that holds a lost rank
+            hit = sorted(set(verdict.lost).intersection(view.members))
+            try:
+                layout = shrink(line.layout, hit, 0) if hit else line.layout
+            except ValueError as every_slice:  # reform raises it: it leaves the loop
+                self.seen.add("a heal that lost every slice")
+                yield from self._close(m, every_slice)
+                m.state = "left"
+                return True
+            if m.rank not in layout:  # LostRankError: the old mesh is closed; it sits out
+                self.seen.add("a member sat out of a re-formed mesh")
+                self._leave_view(m)
+                line.out = True
+                return False
+            line.layout = layout
+            survivors = tuple(sorted(layout.ranks))
             new_key = agreeing.line_key(survivors, agreeing.line_of(key))
             with m.lock:  # the ledger moved at Agreed (the library's StepDriver)
                 since = (new_key, m.ledger.attempt(new_key))
@@ -526,6 +575,8 @@ class Simulation:
             )
         if isinstance(request, rules.AwaitAbort):
             return m.view.aborted or self.now >= m.deadline
+        if isinstance(request, Form):
+            return m.view.aborted or self._all_arrived(m.view)
         if isinstance(request, agreeing.Sleep):
             return m.record.heard != m.heard or self.now >= request.until
         if isinstance(request, Until):
@@ -597,6 +648,8 @@ class Simulation:
             return
         if isinstance(m.pending, rules.AwaitAbort):
             m.deadline = self.now + m.pending.seconds
+        if isinstance(m.pending, Form):
+            self.arrived.setdefault((m.view.name, m.view.generation), set()).add(m.rank)
         if isinstance(m.pending, Collect | rules.Vote):
             self._contribute(m, m.pending)
 
@@ -609,6 +662,8 @@ class Simulation:
             return self._collected(m, request)
         if isinstance(request, Until):
             return None
+        if isinstance(request, Form):
+            return not m.view.aborted and self._all_arrived(m.view)
         if isinstance(request, agreeing.Now):
             return self.now
         if isinstance(request, agreeing.Sleep):
@@ -635,7 +690,7 @@ class Simulation:
             m.ledger,
             m.lock,
             m.view,
-            list(m.view.members),
+            rules.Lineup(m.line.layout),
             key=m.view.since[0],
             vote=lambda flag: None,
             note=lambda: None,
@@ -653,6 +708,10 @@ class Simulation:
                 return None
             self.collectives[at] = Collective(view.members)
         return self.collectives[at]
+
+    def _all_arrived(self, view: View) -> bool:
+        """Whether every member of ``view``'s incarnation has come to form its vote group."""
+        return set(view.members) <= self.arrived.get((view.name, view.generation), set())
 
     def _contribute(self, m: Member, request: Any) -> None:
         view = m.view
@@ -728,7 +787,8 @@ class Simulation:
         by_mesh: dict[str, list[Member]] = {}
         for m in self.members:
             if m.state == "done":
-                by_mesh.setdefault(m.mesh, []).append(m)
+                if not any(line.out for line in m.lines.values()):  # sat out of none
+                    by_mesh.setdefault(m.mesh, []).append(m)
                 logged = sum(len(line.log) for line in m.lines.values())
                 if m.ledger.total() != logged:  # the watch's count: every mesh's apart
                     self.problems.append(

@@ -7,6 +7,7 @@ one moment a race needs it. Counts and sets are asserted, never a time.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -16,10 +17,12 @@ from hypothesis import strategies as st
 
 from scopedmesh.c10d.store import WatchKeys
 from scopedmesh.fault.liveness import LivenessWatch
-from scopedmesh.fault.liveness.agreement import Driver
+from scopedmesh.fault.liveness.agreement import Driver, ledger_requests
 from scopedmesh.fault.liveness.deaths import CLOSED, DeathRecord
 from scopedmesh.fault.protocol import agreement as protocol
+from scopedmesh.fault.protocol import verdict as rules
 from scopedmesh.fault.protocol.agreement import Keys, KnownGone, Now, ReadGone, Sleep, Wake
+from scopedmesh.layout.mesh_layout import MeshLayout
 
 WRITES = frozenset({"set", "add", "append", "compare_set", "multi_set", "delete_key"})
 
@@ -389,3 +392,37 @@ def test_a_members_key_says_whether_it_holds_a_rank(members: set[int], rank: int
 def test_a_digest_names_no_ranks(digest: str) -> None:
     """A digest of decimal digits only is not read as a run of ranks."""
     assert protocol.holds(f"m2048.{digest}", 123) is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "rank", "answers"),
+    [
+        ((2, 2), 1, True),  # 2 x 2 (dp, tp) loses rank 3: [0, 1] go on; rank 1 answers there
+        ((2, 2), 2, False),  # rank 2 shared the dropped slice [2, 3]: it goes on no further
+        ((4, 1), 1, False),  # one rank a slice: [0, 1, 2] go on, not the asked-about [0, 1]
+    ],
+)
+def test_an_answer_follows_a_heal_that_drops_a_slice(
+    shape: tuple[int, int], rank: int, answers: bool
+) -> None:
+    """A rank still computing the step that lost rank 3 is asked about the re-formed mesh's
+    first attempt: it replays the decision and checks in there, where the survivors are
+    those ``reform`` keeps (whole slices of dp), not the members minus the lost."""
+    old = protocol.members_key(range(4))
+    new = protocol.line_key([0, 1], old)  # the key of the mesh reform makes on (2, 2)
+    store, ledger, lock = dist.HashStore(), rules.Ledger(), threading.Lock()
+    ledger.committed[old], ledger.attempts[old] = 5, 2  # at attempt 2, 5 steps committed
+    stepped = {old: rules.Lineup(MeshLayout(shape, names=("dp", "tp")), 0)}
+    decided = protocol.proposal("0:alive/6,1:alive/6,2:alive/6,3:lost,", range(4), (), 5)
+    assert decided == "lost:3;committed:6"
+    old_keys = Keys(f"p/agree/{protocol.agreement_name(old, 'event2')}")
+    store.set(old_keys.decision, decided)
+
+    record = DeathRecord(WatchKeys("w"), rank, lambda new: None)
+    other = ledger_requests(ledger, lock, stepped)
+    Driver(store, record, other).run(rules.answer_ask(rank=rank, prefix="p", key=new, attempt=0))
+
+    new_keys = Keys(f"p/agree/{protocol.agreement_name(new, 'event0')}")
+    checked_in = store.check([new_keys.entries]) and store.get(new_keys.entries).decode()
+    assert checked_in == (f"{rank}:alive/6," if answers else False)
+    assert ((old, 2) in ledger.answered, (new, 0) in ledger.answered) == (answers, answers)

@@ -43,6 +43,11 @@ def _reforms_at_once(self: rules.Verdict) -> bool:
     return self.agreed
 
 
+def _members_minus_lost(self: rules.Lineup, lost: Any) -> rules.Lineup | None:
+    left = [rank for rank in self.ranks if rank not in set(lost)]
+    return rules.Lineup.of(left) if left else None
+
+
 PLANTS = {
     "a member in doubt that always commits": [(rules, "doubt_commits", _always_commits)],
     "agreement keys without the mesh's members": [
@@ -55,6 +60,9 @@ PLANTS = {
     ],
     "a member in doubt that commits re-forms at once (twins deadlock)": [
         (rules.Verdict, "reforms", property(_reforms_at_once))
+    ],
+    "the members minus the lost go on (a heal that drops a slice loses the line)": [
+        (rules.Lineup, "after", _members_minus_lost)
     ],
 }
 

@@ -94,11 +94,11 @@ class Driver:
 
 class StepDriver:
     """Carries out a step verdict's own requests (:mod:`~scopedmesh.fault.protocol.verdict`)
-    for ``members``, keyed ``key`` (:func:`~scopedmesh.fault.protocol.agreement.line_key`),
-    on ``mesh``: its abort, the watch's lists of stops and asks, its
+    for the members ``lineup``, keyed ``key`` (:func:`~scopedmesh.fault.protocol.
+    agreement.line_key`), on ``mesh``: its abort, the watch's lists of stops and asks, its
     :class:`~scopedmesh.fault.protocol.verdict.Ledger` (under ``lock``); ``vote`` takes
     part in the step's vote, ``note`` notes the agreement's name for the clean-up,
-    ``stepped`` maps each key this rank steps on to its members."""
+    ``stepped`` maps each key this rank steps on to its lineup."""
 
     def __init__(
         self,
@@ -107,15 +107,15 @@ class StepDriver:
         ledger: rules.Ledger,
         lock: threading.Lock,
         mesh: Any,
-        members: list[int],
+        lineup: rules.Lineup,
         *,
         key: str,
         vote: Callable[[int], int | None],
         note: Callable[[], None],
-        stepped: dict[str, list[int]],
+        stepped: dict[str, rules.Lineup],
     ) -> None:
         self.store, self.record, self.ledger, self.lock = store, record, ledger, lock
-        self.mesh, self.members, self.key = mesh, members, key
+        self.mesh, self.lineup, self.members, self.key = mesh, lineup, lineup.ranks, key
         self.vote, self.note, self.stepped = vote, note, stepped
 
     def __call__(self, request: Any) -> Any:
@@ -155,9 +155,10 @@ class StepDriver:
                 return ledger.raised_again(key, request.attempt)
             if isinstance(request, rules.Agreed):
                 ledger.agreed(key, request.highest)
-                if self.record.rank in request.survivors:  # its next mesh's members
-                    moved = line_key(request.survivors, line_of(key))
-                    self.stepped[moved] = list(request.survivors)
+                after = self.lineup.after(request.lost)  # its re-formed mesh's, as reform's
+                if after is not None and self.record.rank in after.layout:
+                    moved = line_key(after.ranks, line_of(key))
+                    self.stepped[moved] = after
                     ledger.moved(key, moved)
                 return None
         raise TypeError(f"no one carries out {request!r}")
@@ -166,12 +167,12 @@ class StepDriver:
 def ledger_requests(
     ledger: rules.Ledger,
     lock: threading.Lock,
-    members: dict[str, list[int]],
+    members: dict[str, rules.Lineup],
     on_fence: Callable[[tuple[tuple[str, int], ...]], None] = lambda chain: None,
 ) -> Callable[[Any], Any]:
     """Carries out an answer's requests of the ledger (:class:`~scopedmesh.fault.protocol.
     verdict.Steps`, :class:`~scopedmesh.fault.protocol.verdict.Fence`), under ``lock``;
-    ``members`` maps each set of members stepped on to its ranks; ``on_fence`` is handed
+    ``members`` maps each set of members stepped on to its lineup; ``on_fence`` is handed
     each chain fenced (the meshes of those attempts are settled without this rank)."""
 
     def do(request: Any) -> Any:

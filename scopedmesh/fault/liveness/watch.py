@@ -153,7 +153,7 @@ class LivenessWatch:
         # the store thread answers while the caller's thread steps, so: a lock.
         self._ledger = rules.Ledger()
         self._ledger_lock = threading.Lock()
-        self._members: dict[str, list[int]] = {}  # line_key -> the members stepped on
+        self._members: dict[str, rules.Lineup] = {}  # line_key -> the members stepped on
         # A mesh whose step this rank committed in doubt -> the ranks that step lost: its
         # next step fails and re-forms it (Step), as on the members whose vote completed.
         self._deferred: weakref.WeakKeyDictionary[ProcessGroupMesh, frozenset[int]]
@@ -322,14 +322,14 @@ class LivenessWatch:
         """
         if not isinstance(mesh, ProcessGroupMesh):
             raise TypeError(f"mesh must be a ProcessGroupMesh, got {shown(mesh)}")
-        mesh.layout.axis_index(axis)  # an unknown axis is named before the step runs
+        index = mesh.layout.axis_index(axis)  # an unknown axis is named before the step runs
         self._check_open()
         if mesh in self._deferred:  # fails at once: counted on its re-formed mesh's key
             return Step(self, mesh, axis)
-        members = self._members_of(mesh)
-        key = self._key_of(mesh, members)
+        key = self._key_of(mesh, self._members_of(mesh))
+        lineup = rules.Lineup(mesh.layout, index)  # the members, and whom a heal keeps
         with self._ledger_lock:  # the store thread answers for the members stepped on
-            self._members[key] = members
+            self._members[key] = lineup
             self._ledger.committed.setdefault(key, 0)
         return Step(self, mesh, axis)
 
@@ -344,10 +344,11 @@ class LivenessWatch:
         verdict`), carrying out its requests; ``vote`` takes part in the step's vote."""
         self._check_open()
         self._check_thread()
-        members = self._members_of(mesh)
-        key = self._key_of(mesh, members)
-        with self._ledger_lock:
+        key = self._key_of(mesh, self._members_of(mesh))
+        with self._ledger_lock:  # the lineup step() noted for this key
             attempt, mine = self._ledger.attempt(key), self._ledger.committed.get(key, 0)
+            lineup = self._members[key]
+        members = lineup.ranks
         name = agreement_name(key, f"event{attempt}")
         do = StepDriver(
             self._store,
@@ -355,7 +356,7 @@ class LivenessWatch:
             self._ledger,
             self._ledger_lock,
             mesh,
-            members,
+            lineup,
             key=key,
             vote=vote,
             note=lambda: self._note_agreement(name),

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from scopedmesh.fault.protocol.agreement import Action as AgreementAction
@@ -53,6 +54,8 @@ from scopedmesh.fault.protocol.agreement import (
     line_key,
     line_of,
 )
+from scopedmesh.layout.mesh_layout import MeshLayout
+from scopedmesh.layout.survivors import shrink
 
 __all__ = [
     "FAILED",
@@ -68,6 +71,7 @@ __all__ = [
     "FirstStop",
     "IsAborted",
     "Ledger",
+    "Lineup",
     "PostStop",
     "RaisedAgain",
     "Steps",
@@ -161,12 +165,13 @@ class RaisedAgain:
 @dataclass(frozen=True)
 class Agreed:
     """The members agreed on ``attempt``: their count of committed steps is ``highest``,
-    and they go on as ``survivors`` (the ledger moves there at once, so that an ask
-    about the survivors' mesh finds this rank there)."""
+    and ``lost`` are gone; the others go on as their :class:`Lineup` after the loss (the
+    ledger moves there at once, so that an ask about the re-formed mesh finds this rank
+    there)."""
 
     attempt: int
     highest: int
-    survivors: tuple[int, ...]
+    lost: frozenset[int]
 
 
 Action = (
@@ -212,6 +217,45 @@ class Verdict:
         return self.agreed and not self.committed
 
 
+@dataclass(frozen=True)
+class Lineup:
+    """The members of a mesh a rank steps on, as its ``layout``, and the ``axis`` its heals
+    shrink: whom the survivors go on as (:func:`~scopedmesh.layout.survivors.shrink` drops
+    every slice of ``axis`` that holds a lost rank, as ``reform`` does).
+
+    >>> lineup = Lineup(MeshLayout((2, 2), names=("dp", "tp")), axis=0)
+    >>> lineup.ranks, lineup.after({3}).ranks, lineup.after({1, 3})
+    ([0, 1, 2, 3], [0, 1], None)
+    >>> Lineup.of([2, 5, 7]).after({5}).ranks  # one rank a slice: the members minus the lost
+    [2, 7]
+    """
+
+    layout: MeshLayout
+    axis: int = 0
+
+    @classmethod
+    def of(cls, members: Iterable[int]) -> Lineup:
+        """``members`` as one axis, each rank a slice of its own."""
+        ranks = sorted(members)
+        return cls(MeshLayout((len(ranks),), ranks=ranks))
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        """The members, in order."""
+        return sorted(self.layout.ranks)
+
+    def after(self, lost: Iterable[int]) -> Lineup | None:
+        """The lineup the survivors go on as once ``lost`` are gone (ranks outside it do not
+        count), or None where every slice of the axis holds a lost rank."""
+        hit = sorted({rank for rank in lost if rank in self.layout})
+        if not hit:
+            return self
+        try:
+            return Lineup(shrink(self.layout, hit, self.axis), self.axis)
+        except ValueError:  # every slice hit: nobody goes on
+            return None
+
+
 @dataclass
 class Ledger:
     """One watch's steps per set of members (named by :func:`~scopedmesh.fault.protocol.
@@ -222,7 +266,8 @@ class Ledger:
     >>> ledger = Ledger()
     >>> ledger.commit("m2.0-1", 0), ledger.committed["m2.0-1"]
     (True, 1)
-    >>> ledger.steps({"m2.0-1": [0, 1]})
+    >>> [(key, lineup.ranks, at, count) for key, lineup, at, count in ledger.steps(
+    ...     {"m2.0-1": Lineup.of([0, 1])})]
     [('m2.0-1', [0, 1], 0, 1)]
     """
 
@@ -243,8 +288,8 @@ class Ledger:
         self.committed[key] = self.committed.get(key, 0) + 1
         return True
 
-    def steps(self, members: dict[str, list[int]]) -> list[tuple[str, list[int], int, int]]:
-        """Where this rank is on each set of members it steps on now: ``(key, members,
+    def steps(self, members: dict[str, Lineup]) -> list[tuple[str, Lineup, int, int]]:
+        """Where this rank is on each set of members it steps on now: ``(key, lineup,
         attempt, committed)`` (:class:`Steps`)."""
         return [
             (key, members[key], self.attempt(key), count)
@@ -354,7 +399,7 @@ def verdict(
     decided = yield from agreement(keys, members, rank, committed=mine, limit=limit, tag=tag)
     highest = mine if decided.committed is None else decided.committed
     committed = doubt_commits(mine, highest, flag)
-    yield Agreed(attempt, highest, tuple(r for r in members if r not in decided.lost))
+    yield Agreed(attempt, highest, decided.lost)
     departed = dict((yield Departed(decided.lost))) if decided.lost else {}
     error = None
     if departed:
@@ -375,7 +420,7 @@ def verdict(
 
 @dataclass(frozen=True)
 class Steps:
-    """This rank's steps: answered with ``[(key, members, attempt, committed), ...]``, one
+    """This rank's steps: answered with ``[(key, lineup, attempt, committed), ...]``, one
     per set of members it stepped on (read from the :class:`Ledger` under its lock)."""
 
 
@@ -398,11 +443,12 @@ def answer_ask(*, rank: int, prefix: str, key: str, attempt: int) -> Generator[A
     Where this rank is at that attempt, its count is its ledger's. Where it is behind
     (still computing an earlier attempt that the others settled without it, which
     it answered for then), the decisions written since say what its count will be:
-    each one it replays (the lost leave its members, the highest count is its
-    own) until the attempt asked about. Every attempt on the way is fenced, so
-    that no vote of its own there commits; its main thread reads those decisions
-    when it gets there. Where a decision on the way is not written yet, or lost
-    this rank, it does not answer (the asker is answered by its own agreement).
+    each one it replays (the members go on as their :class:`Lineup` after the loss,
+    the highest count is its own) until the attempt asked about. Every attempt on
+    the way is fenced, so that no vote of its own there commits; its main thread
+    reads those decisions when it gets there. Where a decision on the way is not
+    written yet, or leaves this rank out (lost, or in a dropped slice), it does not
+    answer (the asker is answered by its own agreement).
 
     A step this rank commits between the read of its ledger and the fence makes the
     answer stale: it is worked out again. That ends, for each retry follows a move of this
@@ -417,7 +463,7 @@ def _answer_once(
 ) -> Generator[Any, Any, bool | None]:
     """One try of :func:`answer_ask`: True once answered, False where it must not answer,
     None where the ledger moved meanwhile (try again)."""
-    for start_key, members, at, count in (yield Steps()):
+    for start_key, lineup, at, count in (yield Steps()):
         if line_of(start_key) != line_of(key):  # a line's decisions never lead to another's
             continue
         start = (start_key, at, count)
@@ -428,13 +474,14 @@ def _answer_once(
             if not text:
                 break
             lost = decision_of(text)
-            if rank in lost:
-                return False
             highest = committed_of(text)
             count = count if highest is None else highest
-            if lost.intersection(members):
-                members = [r for r in members if r not in lost]
-                start_key, at = line_key(members, line_of(start_key)), 0
+            if lost.intersection(lineup.ranks):
+                after = lineup.after(lost)
+                if after is None or rank not in after.layout:  # it goes on no further
+                    return False
+                lineup = after
+                start_key, at = line_key(lineup.ranks, line_of(start_key)), 0
             else:
                 at += 1
             chain.append((start_key, at))
@@ -446,6 +493,6 @@ def _answer_once(
         if not fenced:
             return None
         keys = Keys(f"{prefix}/agree/{agreement_name(key, f'event{attempt}')}")
-        yield from answer(keys, members, rank, committed=count)
+        yield from answer(keys, lineup.ranks, rank, committed=count)
         return True
     return False
