@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -9,7 +11,7 @@ import torch
 import torch.distributed as dist
 from _workers_common import in_doubt
 
-from scopedmesh import ProcessGroupMesh, StepError
+from scopedmesh import LostRankError, ProcessGroupMesh, StepError
 from scopedmesh.c10d import groups as _c10d
 from scopedmesh.fault.liveness import LivenessWatch
 
@@ -120,8 +122,50 @@ def compute_longer_than_the_timeout(rank: int, world: int, compute: float) -> di
     return out
 
 
+def a_slow_member_across_two_heals(rank: int, world: int, compute: float) -> dict[str, Any]:
+    """A 4 x 2 (dp, tp) loop with a watch whose timeout is 3 s. At step 1, rank 0 dies
+    (SIGKILL) while rank 4 computes for ``compute`` seconds (more than the timeout): the
+    survivors drop dp slice [0, 1] and re-form a 3 x 2 mesh, and rank 3 dies as soon as it
+    has, while the others form the new mesh's vote group. Their agreement on that step
+    needs rank 4, still computing its step on the old mesh: its watch must answer for it
+    on the re-formed mesh, so nobody waits for its compute (the simulation's seed 110)."""
+    out: dict[str, Any] = {"verdicts": [], "sat_out": None}
+    w = torch.zeros(1, dtype=torch.float64)
+    dist.barrier()  # 8 ranks on 2 cores start apart: the watches' 3 s is for the agreements
+    began = time.monotonic()
+    with LivenessWatch(interval=0.02, timeout=3) as watch:
+        mesh = watch.guard(ProcessGroupMesh(4, 2, names=("dp", "tp"), timeout=30))
+        step = 0
+        try:
+            while step < STEPS:
+                with watch.step(mesh, "dp") as verdict:
+                    if step == 1 and rank == 0:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if step == 1 and rank == 4 and "computed" not in out:
+                        time.sleep(compute)
+                        out["computed"] = compute
+                    grad = torch.full_like(w, float(step + 1))
+                    dist.all_reduce(grad, group=mesh.get_group_along_axis("tp"))
+                    dist.all_reduce(grad, group=mesh.get_group_along_axis("dp"))
+                ranks = list(verdict.mesh.layout.ranks)
+                out["verdicts"].append([step, verdict.committed, sorted(verdict.lost), ranks])
+                mesh = verdict.mesh
+                if verdict.healed and rank == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if verdict.committed:
+                    w += grad
+                    step += 1
+        except LostRankError as sat_out:  # shared a dropped dp slice with a lost rank
+            out["sat_out"] = str(sat_out)
+        out["committed"] = watch.committed
+        mesh.close()
+    out["w"], out["took"] = w.tolist(), round(time.monotonic() - began, 2)
+    return out
+
+
 __all__ = [
     "StepError",
+    "a_slow_member_across_two_heals",
     "an_error_leaves_the_loop",
     "compute_longer_than_the_timeout",
     "two_meshes_one_watch",

@@ -51,3 +51,22 @@ def test_a_member_in_doubt_never_waits_for_a_peers_compute() -> None:
         assert out["committed"] == workers.STEPS, (rank, out)
         assert out["w"] == results[0]["w"], (rank, out)
     assert results[3]["computed"] == 4.5
+
+
+def test_a_slow_member_answers_for_the_mesh_a_heal_that_drops_a_slice_re_formed() -> None:
+    """Two heals of a 4 x 2 mesh while rank 4 computes past the watch's timeout: rank 1 and
+    then rank 2 sit out (each shared a dp slice with a dead rank), ranks 4 to 7 train on,
+    and nobody times out (before, the survivors' agreement on the re-formed 3 x 2 mesh
+    waited for rank 4's compute and raised ``TimeoutError`` after 3 s)."""
+    results = run_world(
+        workers.a_slow_member_across_two_heals, 8, args=(5.0,), allow_exit=[0, 3], timeout=120
+    )
+    assert results[0] is None and results[3] is None
+    for rank in (1, 2):
+        assert results[rank]["sat_out"] is not None, (rank, results[rank])
+    for rank in (4, 5, 6, 7):
+        out = results[rank]
+        assert out["sat_out"] is None and out["committed"] == workers.STEPS, (rank, out)
+        assert out["w"] == results[4]["w"], (rank, out)
+        assert out["verdicts"][-1][3] == [4, 5, 6, 7], (rank, out)
+    assert results[4]["computed"] == 5.0
