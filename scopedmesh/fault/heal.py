@@ -18,6 +18,7 @@ the deadline is the one every survivor reads.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -68,9 +69,16 @@ def reform(mesh: ProcessGroupMesh, lost: Iterable[int], axis: Axis) -> ProcessGr
             f"rank {mesh.rank} shares a dropped slice of axis {mesh.layout.axis_name(axis)!r} "
             f"with a lost rank; the survivors' mesh is {list(layout.ranks)}"
         )
-    healed = ProcessGroupMesh.from_layout(
-        layout, backend=mesh.backend, timeout=mesh.timeout, pg_options=mesh.pg_options
-    )
+    try:
+        healed = ProcessGroupMesh.from_layout(
+            layout, backend=mesh.backend, timeout=mesh.timeout, pg_options=mesh.pg_options
+        )
+    except BaseException:  # nobody takes the hand-over: closed means destroyed, here
+        with contextlib.suppress(TimeoutError):  # what raised matters more; they go on
+            mesh._table.finish(own=True)
+        if standby is not None:
+            standby.close()
+        raise
     healed._table.fresh_communicators = True  # WORLD holds the lost ranks: never split from it
     healed._table.inherit(mesh._table)
     healed._table.standby = standby  # its requests take these (scopedmesh.mesh.standby)

@@ -373,9 +373,10 @@ class GroupTable:
 
     def finish(self, *, own: bool = False, timeout: float = FINISH_TIMEOUT) -> None:
         """Wait for the work of the table this one replaced (:attr:`inherited`), and
-        with ``own`` for this table's too (its NCCL aborts and destroys); ``TimeoutError``
-        naming what after ``timeout`` seconds."""
-        threads = [*self.inherited, *(self._finishing if own else [])]
+        with ``own`` for this table's too (its NCCL aborts and destroys, and the gloo
+        destructors a hand-over left running); ``TimeoutError`` naming what after
+        ``timeout`` seconds."""
+        threads = [*self.inherited, *([*self._finishing, *self._dropping] if own else [])]
         running = _nccl.join_within(threads, timeout)
         if running:
             raise TimeoutError(

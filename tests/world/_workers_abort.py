@@ -438,6 +438,39 @@ def gloo_destructors_on_threads(rank: int, world: int) -> dict[str, Any]:
         let_go.set()
         closer.join(60)
         out["all ended"] = not closer.is_alive() and not any(t.is_alive() for t in started)
+        _meet(_c10d.default_store(), "drops/second", world)
+
+        # (3) A re-form whose new mesh cannot be made: nobody inherits the destructors,
+        # so the re-form waits for them before it raises.
+        let_go.clear()
+        started.clear()
+        mesh = mesh_in_use()
+        mesh.abort("when the test aborted it")
+        make = ProcessGroupMesh.__dict__["from_layout"]
+
+        def refuse(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("no new mesh (the test)")
+
+        raised: list[BaseException] = []
+
+        def re_form() -> None:
+            try:
+                reform(mesh, lost=[], axis="dp")
+            except RuntimeError as error:
+                raised.append(error)
+
+        ProcessGroupMesh.from_layout = classmethod(refuse)  # type: ignore[assignment]
+        try:
+            former = threading.Thread(target=re_form)
+            former.start()
+            former.join(0.3)
+            out["failed re-form waited"] = former.is_alive()
+            let_go.set()
+            former.join(60)
+        finally:
+            ProcessGroupMesh.from_layout = make
+        out["failed re-form raised"] = [str(e) for e in raised]
+        out["failed re-form left none"] = not any(t.is_alive() for t in started)
     finally:
         closable._drop_on_a_thread = real
         let_go.set()

@@ -89,6 +89,20 @@ def an_error_leaves_the_loop(rank: int, world: int, raisers: list[int]) -> dict[
     return out
 
 
+def _summed(
+    mesh: ProcessGroupMesh, w: torch.Tensor, step: int, compute: float, out: dict[str, Any]
+) -> torch.Tensor:
+    """The step's gradient summed along tp, then dp, after ``compute`` seconds of compute
+    (once: noted in ``out["computed"]``)."""
+    if compute and "computed" not in out:
+        time.sleep(compute)
+        out["computed"] = compute
+    grad = torch.full_like(w, float(step + 1))
+    dist.all_reduce(grad, group=mesh.get_group_along_axis("tp"))
+    dist.all_reduce(grad, group=mesh.get_group_along_axis("dp"))
+    return grad
+
+
 def compute_longer_than_the_timeout(rank: int, world: int, compute: float) -> dict[str, Any]:
     """A 2 x 2 loop with a watch whose timeout is 3 s. Rank 1 is left in doubt about step
     2; at step 3, rank 3 computes for ``compute`` seconds (more than the timeout) before
@@ -105,12 +119,7 @@ def compute_longer_than_the_timeout(rank: int, world: int, compute: float) -> di
                 in_doubt(verdict, mesh, out)
             began = time.monotonic()
             with verdict:
-                if rank == 3 and step == 3 and "computed" not in out:
-                    time.sleep(compute)
-                    out["computed"] = compute
-                grad = torch.full_like(w, float(step + 1))
-                dist.all_reduce(grad, group=mesh.get_group_along_axis("tp"))
-                dist.all_reduce(grad, group=mesh.get_group_along_axis("dp"))
+                grad = _summed(mesh, w, step, compute if (rank, step) == (3, 3) else 0.0, out)
             out["verdicts"].append([step, verdict.committed, round(time.monotonic() - began, 2)])
             mesh = verdict.mesh
             if verdict.committed:
@@ -141,12 +150,8 @@ def a_slow_member_across_two_heals(rank: int, world: int, compute: float) -> dic
                 with watch.step(mesh, "dp") as verdict:
                     if step == 1 and rank == 0:
                         os.kill(os.getpid(), signal.SIGKILL)
-                    if step == 1 and rank == 4 and "computed" not in out:
-                        time.sleep(compute)
-                        out["computed"] = compute
-                    grad = torch.full_like(w, float(step + 1))
-                    dist.all_reduce(grad, group=mesh.get_group_along_axis("tp"))
-                    dist.all_reduce(grad, group=mesh.get_group_along_axis("dp"))
+                    slow = compute if (rank, step) == (4, 1) else 0.0
+                    grad = _summed(mesh, w, step, slow, out)
                 ranks = list(verdict.mesh.layout.ranks)
                 out["verdicts"].append([step, verdict.committed, sorted(verdict.lost), ranks])
                 mesh = verdict.mesh

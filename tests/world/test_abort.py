@@ -227,7 +227,8 @@ def test_gloo_destructors_run_together_and_a_heal_hands_them_to_the_healed_mesh(
     """Issue 45: gloo's destructor of an idle group waits for its event loop's 10 ms tick.
     A close starts every group's destructor before it waits for one (not one tick per group
     in turn), and a heal's re-form does not wait for them at all: the healed mesh inherits
-    them, and its own close waits for them, so closed still means destroyed."""
+    them, and its own close waits for them, so closed still means destroyed. A re-form
+    whose new mesh cannot be made waits for them before it raises."""
     import _workers_abort
 
     from scopedmesh.testing import run_world
@@ -241,3 +242,6 @@ def test_gloo_destructors_run_together_and_a_heal_hands_them_to_the_healed_mesh(
         assert out["inherited"] == 3, results
         assert out["healed close waited"] is True, results
         assert out["all ended"] is True, results
+        assert out["failed re-form waited"] is True, results  # nobody took them over
+        assert out["failed re-form raised"] == ["no new mesh (the test)"], results
+        assert out["failed re-form left none"] is True, results
