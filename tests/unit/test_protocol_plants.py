@@ -45,6 +45,8 @@ def _reforms_at_once(self: rules.Verdict) -> bool:
 
 def _members_minus_lost(self: rules.Lineup, lost: Any) -> rules.Lineup | None:
     left = [rank for rank in self.ranks if rank not in set(lost)]
+    if len(left) == len(self.ranks):
+        return self
     return rules.Lineup.of(left) if left else None
 
 

@@ -327,9 +327,10 @@ class LivenessWatch:
         if mesh in self._deferred:  # fails at once: counted on its re-formed mesh's key
             return Step(self, mesh, axis)
         key = self._key_of(mesh, self._members_of(mesh))
-        lineup = rules.Lineup(mesh.layout, index)  # the members, and whom a heal keeps
         with self._ledger_lock:  # the store thread answers for the members stepped on
-            self._members[key] = lineup
+            noted = self._members.get(key)  # kept from step to step: its ranks sorted once
+            if noted is None or noted.layout is not mesh.layout or noted.axis != index:
+                self._members[key] = rules.Lineup(mesh.layout, index)  # whom a heal keeps
             self._ledger.committed.setdefault(key, 0)
         return Step(self, mesh, axis)
 

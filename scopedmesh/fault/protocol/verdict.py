@@ -246,7 +246,7 @@ class Lineup:
 
     def after(self, lost: Iterable[int]) -> Lineup | None:
         """The lineup the survivors go on as once ``lost`` are gone (ranks outside it do not
-        count), or None where every slice of the axis holds a lost rank."""
+        count): itself where none is in it, None where every slice of the axis holds one."""
         hit = sorted({rank for rank in lost if rank in self.layout})
         if not hit:
             return self
@@ -476,14 +476,14 @@ def _answer_once(
             lost = decision_of(text)
             highest = committed_of(text)
             count = count if highest is None else highest
-            if lost.intersection(lineup.ranks):
-                after = lineup.after(lost)
-                if after is None or rank not in after.layout:  # it goes on no further
-                    return False
+            after = lineup.after(lost)
+            if after is lineup:  # nobody of these members lost: their next attempt
+                at += 1
+            elif after is None or rank not in after.layout:  # it goes on no further
+                return False
+            else:
                 lineup = after
                 start_key, at = line_key(lineup.ranks, line_of(start_key)), 0
-            else:
-                at += 1
             chain.append((start_key, at))
         if (start_key, at) != (key, attempt):
             continue
